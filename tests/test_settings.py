@@ -1,0 +1,30 @@
+"""ServiceSettings: YAML args, environment overrides, validation."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from serve_app.settings import ServiceSettings
+
+
+def test_environment_overrides_yaml_args_field_by_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVMEM_ENGINE__DTYPE", "float32")
+    monkeypatch.setenv("REDIS_URL", "redis://example:6379/0")
+    settings = ServiceSettings.from_args({"engine": {"dtype": "bfloat16", "max_model_len": 1000}})
+    assert settings.engine.dtype == "float32"
+    assert settings.engine.max_model_len == 1000  # from YAML, untouched by the env
+    assert settings.redis_url == "redis://example:6379/0"
+
+
+def test_defaults_are_the_embedded_cpu_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    settings = ServiceSettings.from_args(None)
+    assert settings.engine.enforce_eager and settings.engine.multiprocess
+    assert settings.resolved_model().endswith("SmolLM2-135M-Instruct")
+
+
+@pytest.mark.parametrize("args", [{"engine": {"dtype": "int3"}}, {"engine": {"max_model_len": 0}}, {"bogus": 1}])
+def test_invalid_args_are_rejected(args: dict) -> None:
+    with pytest.raises(ValidationError):
+        ServiceSettings.from_args(args)
