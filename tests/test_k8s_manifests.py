@@ -1,0 +1,207 @@
+"""Offline checks of the Kubernetes manifests in k8s/ and of config.yaml (no cluster, no Ray start).
+
+k8s/rayservice.yaml is validated against the KubeRay RayService CRD schema (v1) kept in the
+shared folder beside the repository, with unknown fields rejected as `kubectl apply` does.
+Its serveConfigV2 string and config.yaml are validated with Ray Serve's own config schema and
+their `args` with ServiceSettings. k8s/redis.yaml is checked for the wiring RayService relies on.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import jsonschema
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from serve_app.settings import ServiceSettings
+
+REPO = Path(__file__).resolve().parents[1]
+CRD_PATH = Path(__file__).resolve().parents[2] / "shared/k8s/ray.io_rayservices.yaml"
+RAYSERVICE_PATH = REPO / "k8s/rayservice.yaml"
+REDIS_PATH = REPO / "k8s/redis.yaml"
+CONFIG_PATH = REPO / "config.yaml"
+IMPORT_PATH = "serve_app.app:build_app"
+
+
+def closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """Copy of a structural OpenAPI schema whose objects with listed properties reject others.
+
+    jsonschema accepts unlisted fields unless told not to; the API server's strict field
+    validation (the kubectl default) rejects them, which is what catches a misspelt key.
+    Maps (additionalProperties given) and x-kubernetes-preserve-unknown-fields stay open;
+    anyOf/allOf/oneOf only carry value checks in structural schemas and are left alone.
+    """
+    out = dict(schema)
+    if "properties" in schema:
+        out["properties"] = {name: closed(sub) for name, sub in schema["properties"].items()}
+        if "additionalProperties" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    if isinstance(schema.get("items"), dict):
+        out["items"] = closed(schema["items"])
+    if isinstance(schema.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed(schema["additionalProperties"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def rayservice_validator() -> jsonschema.Draft4Validator:
+    """Validator for the v1 RayService schema (OpenAPI v3 schemas are JSON Schema draft 4 based)."""
+    assert CRD_PATH.is_file(), f"KubeRay CRD not found at {CRD_PATH} (the shared/ folder beside the repo)"
+    crd = yaml.safe_load(CRD_PATH.read_text())
+    (v1,) = [version for version in crd["spec"]["versions"] if version["name"] == "v1"]
+    schema = closed(v1["schema"]["openAPIV3Schema"])
+    jsonschema.Draft4Validator.check_schema(schema)
+    return jsonschema.Draft4Validator(schema)
+
+
+@pytest.fixture(scope="module")
+def rayservice() -> dict[str, Any]:
+    return yaml.safe_load(RAYSERVICE_PATH.read_text())
+
+
+def serve_config(source: str) -> dict[str, Any]:
+    """The Serve config of `config.yaml` or of the RayService's serveConfigV2."""
+    if source == "config.yaml":
+        return yaml.safe_load(CONFIG_PATH.read_text())
+    return yaml.safe_load(yaml.safe_load(RAYSERVICE_PATH.read_text())["spec"]["serveConfigV2"])
+
+
+@pytest.fixture()
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No KVMEM_* / REDIS_URL overrides: the args alone must make valid settings."""
+    for name in list(os.environ):
+        if name.upper().startswith("KVMEM_") or name.upper() == "REDIS_URL":
+            monkeypatch.delenv(name)
+
+
+def schema_errors(validator: jsonschema.Draft4Validator, manifest: dict[str, Any]) -> list[str]:
+    return [
+        f"{'.'.join(map(str, error.absolute_path)) or '<root>'}: {error.message}"
+        for error in validator.iter_errors(manifest)
+    ]
+
+
+def containers(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every container of the head group and the worker groups."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster.get("workerGroupSpecs", [])]
+    return [container for group in groups for container in group["template"]["spec"]["containers"]]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
+
+
+def test_rayservice_satisfies_the_crd_schema(
+    rayservice_validator: jsonschema.Draft4Validator, rayservice: dict[str, Any]
+) -> None:
+    assert rayservice["apiVersion"] == "ray.io/v1" and rayservice["kind"] == "RayService"
+    assert schema_errors(rayservice_validator, rayservice) == []
+
+
+def _serve_config_as_mapping(manifest: dict[str, Any]) -> None:
+    manifest["spec"]["serveConfigV2"] = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+
+
+def _replicas_as_word(manifest: dict[str, Any]) -> None:
+    manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "one"
+
+
+def _ray_start_param_as_int(manifest: dict[str, Any]) -> None:
+    manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0
+
+
+def _head_group_missing(manifest: dict[str, Any]) -> None:
+    del manifest["spec"]["rayClusterConfig"]["headGroupSpec"]
+
+
+def _misspelt_field(manifest: dict[str, Any]) -> None:
+    cluster = manifest["spec"]["rayClusterConfig"]
+    cluster["workerGroupSpec"] = cluster.pop("workerGroupSpecs")
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [_serve_config_as_mapping, _replicas_as_word, _ray_start_param_as_int, _head_group_missing, _misspelt_field],
+)
+def test_broken_rayservice_fails_the_crd_schema(
+    rayservice_validator: jsonschema.Draft4Validator,
+    rayservice: dict[str, Any],
+    breakage: Callable[[dict[str, Any]], None],
+) -> None:
+    manifest = copy.deepcopy(rayservice)
+    breakage(manifest)
+    assert schema_errors(rayservice_validator, manifest), f"{breakage.__name__} passed validation"
+
+
+@pytest.mark.parametrize("source", ["config.yaml", "serveConfigV2"])
+def test_serve_config_is_valid(source: str, clean_env: None) -> None:
+    config = ServeDeploySchema.model_validate(serve_config(source))
+    (app,) = config.applications
+    assert app.import_path == IMPORT_PATH
+    module_name, attribute = app.import_path.split(":")
+    assert callable(getattr(importlib.import_module(module_name), attribute))
+    ServiceSettings.from_args(app.args)
+
+
+def test_rayservice_runs_the_config_yaml_application_on_gpus(clean_env: None) -> None:
+    local = ServeDeploySchema.model_validate(serve_config("config.yaml")).applications[0]
+    cluster = ServeDeploySchema.model_validate(serve_config("serveConfigV2"))
+    (app,) = cluster.applications
+    assert (app.name, app.route_prefix, app.import_path) == (local.name, local.route_prefix, local.import_path)
+    assert cluster.http_options.host == "0.0.0.0", "Serve must listen on the pod address, not loopback"
+    settings = ServiceSettings.from_args(app.args)
+    assert settings.engine.dtype == "bfloat16"
+    assert settings.llm_replica_num_gpus == 1
+    assert settings.redis_url is None, "the Redis address comes from REDIS_URL in the containers"
+
+
+def test_gpu_workers_fit_the_llm_replicas(rayservice: dict[str, Any], clean_env: None) -> None:
+    settings = ServiceSettings.from_args(serve_config("serveConfigV2")["applications"][0]["args"])
+    workers = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    gpus = sum(
+        group["minReplicas"] * int(container["resources"]["limits"].get("nvidia.com/gpu", 0))
+        for group in workers
+        for container in group["template"]["spec"]["containers"]
+    )
+    assert gpus >= settings.llm_replicas * settings.llm_replica_num_gpus
+
+
+def test_containers_are_offline_and_point_at_the_redis_service(rayservice: dict[str, Any]) -> None:
+    documents = [doc for doc in yaml.safe_load_all(REDIS_PATH.read_text()) if doc]
+    (service,) = [doc for doc in documents if doc["kind"] == "Service"]
+    port = service["spec"]["ports"][0]["port"]
+    for container in containers(rayservice):
+        env = env_of(container)
+        assert env.get("HF_HUB_OFFLINE") == "1", container["name"]
+        url = urlsplit(env["REDIS_URL"])
+        assert (url.scheme, url.hostname, url.port) == ("redis", service["metadata"]["name"], port), container["name"]
+
+
+def test_redis_is_persistent_and_reachable_through_its_service() -> None:
+    documents = {doc["kind"]: doc for doc in yaml.safe_load_all(REDIS_PATH.read_text()) if doc}
+    assert set(documents) == {"PersistentVolumeClaim", "Deployment", "Service"}
+    deployment, service, claim = documents["Deployment"], documents["Service"], documents["PersistentVolumeClaim"]
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+
+    (container,) = pod["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    data_dir = args[args.index("--dir") + 1]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v.get("persistentVolumeClaim")]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert {"name": volume["name"], "mountPath": data_dir} in container["volumeMounts"]
+
+    target = service["spec"]["ports"][0]["targetPort"]
+    assert target in {p["name"] for p in container["ports"]} | {p["containerPort"] for p in container["ports"]}

@@ -1,0 +1,109 @@
+"""The Locust load test (loadtest/locustfile.py): its user class, request bodies and checks.
+
+Importing the locustfile imports locust, which monkey-patches socket, ssl and threading with
+gevent for the whole process; that would leak into the Ray and vLLM tests of the same pytest
+session. So the module is imported in a subprocess, which reports what it built as JSON, and
+the bodies are validated here against the service's own request model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from serve_app.protocol import ChatCompletionRequest
+
+REPO = Path(__file__).resolve().parents[1]
+LOCUSTFILE = REPO / "loadtest/locustfile.py"
+POOL_SIZE = 5
+GOOD_COMPLETION = json.dumps({"choices": [{"message": {"role": "assistant", "content": "Paris."}}]})
+EMPTY_COMPLETION = json.dumps({"choices": [{"message": {"role": "assistant", "content": "  "}}]})
+RESPONSES = {
+    "good": (200, GOOD_COMPLETION),
+    "empty": (200, EMPTY_COMPLETION),
+    "no_choices": (200, json.dumps({"choices": []})),
+    "not_json": (200, "<html>oops</html>"),
+    "server_error": (500, GOOD_COMPLETION),
+    "no_connection": (0, ""),
+}
+
+# Runs in the subprocess: import the locustfile the way `locust -f` does (by path) and report.
+PROBE = """
+import importlib.util, json, sys
+from locust import HttpUser
+spec = importlib.util.spec_from_file_location("locustfile", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+responses = json.loads(sys.argv[2])
+print(json.dumps({
+    "is_http_user": issubclass(module.ChatUser, HttpUser),
+    "tasks": sorted({t.__name__ for t in module.ChatUser.tasks}),
+    "users": module.USERS,
+    "bodies": [
+        [user, question, module.chat_body(user, question)] for user in module.USERS for question in module.QUESTIONS
+    ],
+    "problems": {name: module.completion_problem(*response) for name, response in responses.items()},
+}))
+"""
+
+
+def run_python(code: str, *args: str, users: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KVMEM_LOADTEST_USERS": users}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture(scope="module")
+def probe() -> dict[str, Any]:
+    result = run_python(PROBE, str(LOCUSTFILE), json.dumps(RESPONSES), users=str(POOL_SIZE))
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_user_class_is_an_http_user_that_chats_and_checks_health(probe: dict[str, Any]) -> None:
+    assert probe["is_http_user"]
+    assert probe["tasks"] == ["chat", "health"]
+
+
+def test_user_ids_come_from_a_pool_sized_by_the_environment(probe: dict[str, Any]) -> None:
+    assert len(probe["users"]) == len(set(probe["users"])) == POOL_SIZE
+
+
+def test_request_bodies_are_valid_chat_completion_requests(probe: dict[str, Any]) -> None:
+    assert probe["bodies"]
+    for user, question, body in probe["bodies"]:
+        request = ChatCompletionRequest.model_validate(body)
+        assert request.user == user
+        assert [(m.role, m.content) for m in request.messages] == [("user", question)]
+        assert request.max_tokens and not request.stream
+
+
+def test_only_a_200_with_non_empty_content_counts_as_success(probe: dict[str, Any]) -> None:
+    problems = probe["problems"]
+    assert problems.pop("good") is None
+    assert all(problems.values()), problems
+
+
+def test_an_empty_user_pool_is_refused() -> None:
+    result = run_python(f"import runpy; runpy.run_path({str(LOCUSTFILE)!r})", users="0")
+    assert result.returncode != 0
+    assert "at least one user" in result.stderr
+
+
+def test_locust_itself_finds_the_user_class() -> None:
+    listing = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--list"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listing.returncode == 0, listing.stderr
+    assert "ChatUser" in listing.stdout
