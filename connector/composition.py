@@ -1,0 +1,72 @@
+"""Composition of a memory-conditioned prompt and its connector parameters.
+
+A served prompt is [instruction prefix][memory_1 ... memory_k][query]: every memory segment
+sits contiguously after the previous one, the query right after the last. The same token ids
+serve both paths: prompt injection (send them, no parameters) and KV injection (send them
+with the parameters returned here, so the connector supplies the memory tokens' KV).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from connector.fact_arena import EntryRef
+from connector.params import EntryPlacement, KVMemoryParams
+
+
+@dataclass(frozen=True)
+class StoredSegment:
+    """An arena entry and the token ids it holds the KV of."""
+
+    ref: EntryRef
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class ComposedPrompt:
+    prompt_token_ids: list[int]
+    params: KVMemoryParams
+    cache_salt: str
+    memory_end: int  # prompt position right after the last memory token
+    placements: list[EntryPlacement] = field(default_factory=list)
+
+    def kv_transfer_params(self) -> dict[str, Any]:
+        return self.params.to_kv_transfer_params()
+
+
+def memory_cache_salt(namespace: str, segments: Sequence[StoredSegment]) -> str:
+    """Prefix-cache salt naming exactly which stored KV a prompt's blocks hold.
+
+    Injected KV differs from a prefill of the same token ids (each fact was encoded without
+    the others), so injected blocks may only be reused by requests injecting the same entries
+    (same ids, same generations) for the same namespace (user and memory version).
+    """
+    digest = hashlib.sha256(namespace.encode())
+    for segment in segments:
+        digest.update(f"|{segment.ref.entry_id}:{segment.ref.generation}".encode())
+    return f"kvmem-{digest.hexdigest()[:32]}"
+
+
+def compose(
+    segments: Sequence[StoredSegment], query_token_ids: Sequence[int], namespace: str, start: int = 0
+) -> ComposedPrompt:
+    """Lay segments out contiguously from `start`, then the query."""
+    if not query_token_ids:
+        raise ValueError("the query must hold at least one token (vLLM computes at least one)")
+    prompt: list[int] = []
+    placements: list[EntryPlacement] = []
+    position = start
+    for segment in segments:
+        placements.append(EntryPlacement(entry=segment.ref.entry_id, generation=segment.ref.generation, start=position))
+        prompt.extend(segment.token_ids)
+        position += len(segment.token_ids)
+    prompt.extend(query_token_ids)
+    return ComposedPrompt(
+        prompt_token_ids=prompt,
+        params=KVMemoryParams(inject=placements),
+        cache_salt=memory_cache_salt(namespace, segments),
+        memory_end=position,
+        placements=placements,
+    )

@@ -1,0 +1,30 @@
+"""How an engine loads the connector: the KVTransferConfig and the arena geometry for a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CONNECTOR_NAME = "KVMemoryConnector"
+CONNECTOR_MODULE = "connector.kv_memory_connector"
+
+
+def kv_transfer_config(arena_path: Path | str) -> Any:
+    """KVTransferConfig that loads KVMemoryConnector over the arena at `arena_path`."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        kv_connector_extra_config={"arena_path": str(arena_path)},
+    )
+
+
+def arena_geometry_for(model_dir: Path | str, dtype: str, **capacity: Any):
+    """ArenaGeometry matching the model's layers, KV heads and head size in `dtype`."""
+    from transformers import AutoConfig
+
+    from connector.fact_arena import ArenaGeometry
+
+    return ArenaGeometry.for_model(AutoConfig.from_pretrained(model_dir), dtype, **capacity)

@@ -1,0 +1,334 @@
+"""FactArena: the fact KV store, in shared memory, addressed by entry ids.
+
+One arena holds the KV of many memory entries (facts, instruction prefixes, whole memories)
+for one model. It lives in a directory (normally under /dev/shm) so that three kinds of
+process reach the same bytes:
+
+- the owner (a memory shard, or a test) allocates entries, commits and releases them;
+- the engine core's scheduler (connector, scheduler role) pins the entries a request
+  will inject and unpins them when the request finishes;
+- the engine's worker (connector, worker role) writes captured KV into entry pages and
+  reads them at injection.
+
+Layout of the directory:
+    header.json  geometry (layers, kv heads, head size, dtype, page size, capacities)
+    kv.bin       KV data, a torch tensor [num_layers, num_pages * page_tokens, 2, kv_heads, head_size]
+    tables.bin   entry table, page ownership, token ids (numpy structured views)
+    lock         fcntl lock file: every state change of the tables happens under it
+
+Keys are stored as the engine wrote them (rotated for the positions they were encoded at,
+`encode_start` onwards); the injector re-rotates them by the position difference.
+
+Entry life cycle: FREE -> WRITING (allocated, capture in flight) -> LIVE (committed) ->
+RETIRED (released by the owner while a request still pins it) -> FREE. A pinned entry is
+never freed: release() of a pinned entry only retires it, and the last unpin frees it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+FREE, WRITING, LIVE, RETIRED = 0, 1, 2, 3
+STATE_NAMES = {FREE: "free", WRITING: "writing", LIVE: "live", RETIRED: "retired"}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ArenaError(RuntimeError):
+    """Misuse of the arena (geometry mismatch, unknown entry, stale generation)."""
+
+
+class ArenaFull(ArenaError):
+    """No free entry or not enough free pages for an allocation."""
+
+
+@dataclass(frozen=True)
+class ArenaGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    page_tokens: int = 64
+    num_pages: int = 1024
+    max_entries: int = 4096
+    max_pages_per_entry: int = 64
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def num_token_slots(self) -> int:
+        return self.num_pages * self.page_tokens
+
+    @property
+    def max_entry_tokens(self) -> int:
+        return self.max_pages_per_entry * self.page_tokens
+
+    def kv_bytes(self) -> int:
+        element = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_layers * self.num_token_slots * 2 * self.num_kv_heads * self.head_size * element
+
+    @classmethod
+    def for_model(cls, hf_config, dtype: str, **capacity) -> "ArenaGeometry":
+        """Geometry for a Hugging Face config (text models with standard attention)."""
+        text = getattr(hf_config, "text_config", None) or hf_config
+        head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        return cls(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype, **capacity)
+
+
+@dataclass(frozen=True)
+class EntryRef:
+    """A handle on one arena entry: the id and the generation it was allocated with."""
+
+    entry_id: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class EntryView:
+    """What a reader needs to inject an entry (a snapshot taken under the lock)."""
+
+    entry_id: int
+    generation: int
+    state: int
+    n_tokens: int
+    encode_start: int
+    token_slots: np.ndarray  # [n_tokens] int64 indices into the kv tensor's token axis
+
+
+def _entry_dtype(max_pages: int) -> np.dtype:
+    return np.dtype(
+        [
+            ("state", np.int32),
+            ("pins", np.int32),
+            ("generation", np.int64),
+            ("n_tokens", np.int32),
+            ("encode_start", np.int32),
+            ("n_pages", np.int32),
+            ("pages", np.int32, (max_pages,)),
+        ]
+    )
+
+
+class FactArena:
+    """Shared-memory fact KV arena (see the module docstring). Open with create() or open()."""
+
+    def __init__(self, path: Path, geometry: ArenaGeometry) -> None:
+        self.path = Path(path)
+        self.geometry = geometry
+        g = geometry
+        entry_dtype = _entry_dtype(g.max_pages_per_entry)
+        sizes = [g.max_entries * entry_dtype.itemsize, g.num_pages * 4, g.num_token_slots * 4]
+        self._tables = np.memmap(self.path / "tables.bin", dtype=np.uint8, mode="r+", shape=(sum(sizes),))
+        offset = 0
+        self.entries = np.ndarray((g.max_entries,), dtype=entry_dtype, buffer=self._tables, offset=offset)
+        offset += sizes[0]
+        self.page_owner = np.ndarray((g.num_pages,), dtype=np.int32, buffer=self._tables, offset=offset)
+        offset += sizes[1]
+        self.token_ids = np.ndarray((g.num_token_slots,), dtype=np.int32, buffer=self._tables, offset=offset)
+        numel = g.num_layers * g.num_token_slots * 2 * g.num_kv_heads * g.head_size
+        flat = torch.from_file(str(self.path / "kv.bin"), shared=True, size=numel, dtype=g.torch_dtype)
+        self.kv = flat.view(g.num_layers, g.num_token_slots, 2, g.num_kv_heads, g.head_size)
+        self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self._thread_lock = threading.Lock()  # flock does not exclude threads sharing the fd
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def create(cls, path: Path | str, geometry: ArenaGeometry, exist_ok: bool = False) -> "FactArena":
+        path = Path(path)
+        if (path / "header.json").exists():
+            if not exist_ok:
+                raise ArenaError(f"an arena already exists at {path}")
+            arena = cls.open(path)
+            if arena.geometry != geometry:
+                raise ArenaError(f"arena at {path} has geometry {arena.geometry}, wanted {geometry}")
+            return arena
+        path.mkdir(parents=True, exist_ok=True)
+        entry_dtype = _entry_dtype(geometry.max_pages_per_entry)
+        table_bytes = geometry.max_entries * entry_dtype.itemsize + geometry.num_pages * 4 + geometry.num_token_slots * 4
+        with open(path / "tables.bin", "wb") as f:
+            f.truncate(table_bytes)
+        with open(path / "kv.bin", "wb") as f:
+            f.truncate(geometry.kv_bytes())  # sparse: pages cost memory when first written
+        arena = cls(path, geometry)
+        arena.page_owner[:] = -1
+        arena._tables.flush()
+        (path / "header.json.tmp").write_text(json.dumps(asdict(geometry)))
+        os.replace(path / "header.json.tmp", path / "header.json")  # the arena exists once this lands
+        return arena
+
+    @classmethod
+    def open(cls, path: Path | str) -> "FactArena":
+        path = Path(path)
+        try:
+            geometry = ArenaGeometry(**json.loads((path / "header.json").read_text()))
+        except FileNotFoundError as exc:
+            raise ArenaError(f"no fact arena at {path}") from exc
+        return cls(path, geometry)
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        with self._thread_lock:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    # ------------------------------------------------------------------ owner side
+    def allocate(self, token_ids: list[int] | np.ndarray, encode_start: int) -> EntryRef:
+        """Reserve an entry and its pages for `token_ids` encoded from position `encode_start`."""
+        g = self.geometry
+        n = len(token_ids)
+        if n <= 0:
+            raise ArenaError("an entry needs at least one token")
+        n_pages = -(-n // g.page_tokens)
+        if n_pages > g.max_pages_per_entry:
+            raise ArenaError(f"entry of {n} tokens exceeds the {g.max_entry_tokens}-token entry limit")
+        with self.locked():
+            free_entries = np.flatnonzero(self.entries["state"] == FREE)
+            free_pages = np.flatnonzero(self.page_owner < 0)
+            if len(free_entries) == 0 or len(free_pages) < n_pages:
+                raise ArenaFull(
+                    f"arena full: {len(free_entries)} free entries, {len(free_pages)} free pages, {n_pages} needed"
+                )
+            entry_id = int(free_entries[0])
+            pages = free_pages[:n_pages].astype(np.int32)
+            record = self.entries[entry_id]
+            record["generation"] += 1
+            record["n_tokens"] = n
+            record["encode_start"] = encode_start
+            record["n_pages"] = n_pages
+            record["pages"][:n_pages] = pages
+            record["pins"] = 0
+            self.page_owner[pages] = entry_id
+            self.token_ids[self._token_slots(pages, n)] = np.asarray(token_ids, dtype=np.int32)
+            record["state"] = WRITING
+            return EntryRef(entry_id, int(record["generation"]))
+
+    def commit(self, ref: EntryRef) -> None:
+        """WRITING -> LIVE: the capture finished and the entry may be injected."""
+        with self.locked():
+            record = self._record(ref)
+            if record["state"] != WRITING:
+                raise ArenaError(f"entry {ref} is {STATE_NAMES[int(record['state'])]}, not writing")
+            record["state"] = LIVE
+
+    def release(self, ref: EntryRef) -> bool:
+        """Free an entry; returns True when freed now, False when retired until unpinned."""
+        with self.locked():
+            record = self._record(ref)
+            if record["state"] in (FREE, RETIRED):
+                return False
+            if record["pins"] > 0:
+                record["state"] = RETIRED
+                return False
+            self._free(ref.entry_id)
+            return True
+
+    # ------------------------------------------------------------------ scheduler side
+    def pin(self, entry_id: int, generation: int) -> EntryView | None:
+        """Pin a LIVE entry of this generation; None when it is unknown, stale or not live."""
+        with self.locked():
+            if not 0 <= entry_id < self.geometry.max_entries:
+                return None
+            record = self.entries[entry_id]
+            if record["state"] != LIVE or int(record["generation"]) != generation:
+                return None
+            record["pins"] += 1
+            return self._view(entry_id)
+
+    def unpin(self, entry_id: int, generation: int) -> None:
+        with self.locked():
+            record = self.entries[entry_id]
+            if int(record["generation"]) != generation or record["pins"] <= 0:
+                raise ArenaError(f"unpin of entry {entry_id} gen {generation} that is not pinned")
+            record["pins"] -= 1
+            if record["pins"] == 0 and record["state"] == RETIRED:
+                self._free(entry_id)
+
+    def writing_view(self, entry_id: int, generation: int) -> EntryView | None:
+        """The view of an entry being written (capture target); None when stale."""
+        with self.locked():
+            if not 0 <= entry_id < self.geometry.max_entries:
+                return None
+            record = self.entries[entry_id]
+            if record["state"] != WRITING or int(record["generation"]) != generation:
+                return None
+            return self._view(entry_id)
+
+    # ------------------------------------------------------------------ reading
+    def entry_token_ids(self, view: EntryView) -> np.ndarray:
+        return self.token_ids[view.token_slots].copy()
+
+    def entry_kv(self, view: EntryView) -> torch.Tensor:
+        """[num_layers, n_tokens, 2, kv_heads, head_size] copy of an entry's KV."""
+        return self.kv.index_select(1, torch.from_numpy(view.token_slots))
+
+    def state_of(self, ref: EntryRef) -> str:
+        record = self.entries[ref.entry_id]
+        if int(record["generation"]) != ref.generation:
+            return "stale"
+        return STATE_NAMES[int(record["state"])]
+
+    def usage(self) -> dict[str, int]:
+        states = self.entries["state"]
+        return {
+            "entries_live": int((states == LIVE).sum()),
+            "entries_writing": int((states == WRITING).sum()),
+            "entries_retired": int((states == RETIRED).sum()),
+            "pages_used": int((self.page_owner >= 0).sum()),
+            "pages_total": self.geometry.num_pages,
+        }
+
+    # ------------------------------------------------------------------ internals
+    def _record(self, ref: EntryRef):
+        if not 0 <= ref.entry_id < self.geometry.max_entries:
+            raise ArenaError(f"unknown entry {ref.entry_id}")
+        record = self.entries[ref.entry_id]
+        if int(record["generation"]) != ref.generation:
+            raise ArenaError(f"entry {ref.entry_id} generation {ref.generation} is stale")
+        return record
+
+    def _free(self, entry_id: int) -> None:
+        record = self.entries[entry_id]
+        pages = record["pages"][: record["n_pages"]]
+        self.page_owner[pages] = -1
+        record["n_pages"] = 0
+        record["n_tokens"] = 0
+        record["state"] = FREE
+
+    def _token_slots(self, pages: np.ndarray, n_tokens: int) -> np.ndarray:
+        page_tokens = self.geometry.page_tokens
+        slots = (pages.astype(np.int64)[:, None] * page_tokens + np.arange(page_tokens)).reshape(-1)
+        return slots[:n_tokens]
+
+    def _view(self, entry_id: int) -> EntryView:
+        record = self.entries[entry_id]
+        n_pages = int(record["n_pages"])
+        n_tokens = int(record["n_tokens"])
+        return EntryView(
+            entry_id=entry_id,
+            generation=int(record["generation"]),
+            state=int(record["state"]),
+            n_tokens=n_tokens,
+            encode_start=int(record["encode_start"]),
+            token_slots=self._token_slots(record["pages"][:n_pages].copy(), n_tokens),
+        )
