@@ -23,10 +23,10 @@ class KeyRepositioner:
         self.head_size = head_size
         self.rotary_dim = rotary_dim
         self.is_neox_style = is_neox_style
-        cos, sin = cos_sin_fp32.float().chunk(2, dim=-1)
+        cos, sin = cos_sin_fp32.double().chunk(2, dim=-1)
         norm = torch.sqrt(cos * cos + sin * sin)  # 1 for plain rotations; YaRN's mscale otherwise
-        self._cos = (cos / norm).contiguous()
-        self._sin = (sin / norm).contiguous()
+        self._cos = (cos / norm).float().contiguous()
+        self._sin = (sin / norm).float().contiguous()
 
     @property
     def max_distance(self) -> int:
@@ -60,8 +60,26 @@ class KeyRepositioner:
 
     @classmethod
     def from_rope(cls, rope: Any, head_size: int) -> "KeyRepositioner":
-        """Build from a vLLM RotaryEmbedding instance (its fp32 cos/sin table is recomputed)."""
+        """Build from a vLLM RotaryEmbedding instance.
+
+        The rope's own fp32 table is recomputed. Where that table is t * inv_freq (plain,
+        llama3 and YaRN frequencies; YaRN's mscale is normalised out) the distance table is
+        rebuilt in float64 from the same inv_freq: fp32 angles at large distances carry an
+        error of ulp(d * inv_freq), which would dominate the re-positioning error.
+        """
         cos_sin = rope._compute_cos_sin_cache().float().cpu()
+        try:
+            inv_freq = rope._compute_inv_freq(rope.base).double().cpu()
+        except Exception:  # rope types without a plain inverse-frequency vector
+            inv_freq = None
+        if inv_freq is not None and inv_freq.numel() * 2 == cos_sin.shape[-1]:
+            angles = torch.arange(cos_sin.shape[0], dtype=torch.float64)[:, None] * inv_freq[None, :]
+            precise = torch.cat((angles.cos(), angles.sin()), dim=-1)
+            cos, sin = cos_sin.chunk(2, dim=-1)
+            norm = torch.sqrt(cos * cos + sin * sin).double()
+            probe = slice(0, min(64, cos_sin.shape[0]))  # small angles: fp32 table is accurate there
+            if torch.allclose(precise[probe] * torch.cat((norm, norm), dim=-1)[probe], cos_sin[probe].double(), atol=1e-5):
+                cos_sin = precise
         return cls(head_size, rope.rotary_dim, rope.is_neox_style, cos_sin)
 
     def cos_sin(self, distances: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
