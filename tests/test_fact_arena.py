@@ -1,0 +1,89 @@
+"""FactArena life cycle: allocation, pins, release, generations (no engine)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+from connector.fact_arena import ArenaError, ArenaFull, ArenaGeometry, FactArena
+
+GEOMETRY = ArenaGeometry(num_layers=2, num_kv_heads=2, head_size=32, dtype="float32", page_tokens=8, num_pages=8, max_entries=4, max_pages_per_entry=4)
+
+
+@pytest.fixture()
+def arena(tmp_path):
+    a = FactArena.create(tmp_path / "arena", GEOMETRY)
+    yield a
+    a.close()
+
+
+def test_pinned_entry_is_not_freed_until_unpinned(arena: FactArena) -> None:
+    ref = arena.allocate(list(range(20)), encode_start=5)
+    arena.commit(ref)
+    view = arena.pin(ref.entry_id, ref.generation)
+    assert view is not None and view.n_tokens == 20 and view.encode_start == 5
+    assert arena.release(ref) is False
+    assert arena.state_of(ref) == "retired"
+    assert arena.usage()["pages_used"] == 3  # its pages are still held
+    assert arena.pin(ref.entry_id, ref.generation) is None  # no new request may pin it
+    arena.unpin(ref.entry_id, ref.generation)
+    assert arena.state_of(ref) == "free"
+    assert arena.usage()["pages_used"] == 0
+
+
+def test_reused_entry_gets_a_new_generation(arena: FactArena) -> None:
+    first = arena.allocate([1, 2, 3], 0)
+    arena.commit(first)
+    arena.release(first)
+    second = arena.allocate([4, 5], 0)
+    assert second.entry_id == first.entry_id and second.generation == first.generation + 1
+    arena.commit(second)
+    assert arena.pin(first.entry_id, first.generation) is None
+    with pytest.raises(ArenaError):
+        arena.commit(first)
+
+
+def test_capacity_limits_are_enforced(arena: FactArena) -> None:
+    with pytest.raises(ArenaError):
+        arena.allocate(list(range(33)), 0)  # over max_pages_per_entry * page_tokens
+    refs = [arena.allocate(list(range(16)), 0) for _ in range(4)]  # 8 pages in all
+    with pytest.raises(ArenaFull):
+        arena.allocate([1], 0)
+    arena.release(refs[0])
+    arena.allocate([1], 0)
+
+
+def test_token_ids_round_trip_and_out_of_range_pins(arena: FactArena) -> None:
+    ref = arena.allocate([7, 8, 9, 10, 11, 12, 13, 14, 15], 0)
+    arena.commit(ref)
+    view = arena.pin(ref.entry_id, ref.generation)
+    assert arena.entry_token_ids(view).tolist() == [7, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert arena.pin(999, 1) is None and arena.pin(-1, 1) is None
+
+
+def _child_writes(path: str, entry: int, generation: int) -> None:
+    child = FactArena.open(path)
+    view = child.writing_view(entry, generation)
+    child.kv[:, view.token_slots] = 3.0
+    child.close()
+
+
+def test_another_process_sees_the_same_bytes(arena: FactArena) -> None:
+    ref = arena.allocate([1, 2, 3, 4], 0)
+    process = mp.get_context("spawn").Process(target=_child_writes, args=(str(arena.path), ref.entry_id, ref.generation))
+    process.start()
+    process.join(60)
+    assert process.exitcode == 0
+    arena.commit(ref)
+    view = arena.pin(ref.entry_id, ref.generation)
+    assert np.all(arena.entry_kv(view).numpy() == 3.0)
+
+
+def test_open_checks_geometry(tmp_path) -> None:
+    FactArena.create(tmp_path / "a", GEOMETRY).close()
+    with pytest.raises(ArenaError):
+        FactArena.create(tmp_path / "a", ArenaGeometry(num_layers=3, num_kv_heads=2, head_size=32, dtype="float32"), exist_ok=True)
+    with pytest.raises(ArenaError):
+        FactArena.open(tmp_path / "missing")
