@@ -148,7 +148,7 @@ class _SchedulerSide:
             params = KVMemoryParams.from_kv_transfer_params(request.kv_transfer_params)
         except ValidationError as exc:
             self._fallback(request, f"malformed kvmem parameters: {exc.errors()[:1]}")
-            params = None
+            params = KVMemoryParams()  # planned once, as a plain prefill
         if params is None:
             return None
         plan = _RequestPlan()

@@ -42,7 +42,7 @@ class ChatAPI:
     @api.get("/health")
     async def health(self) -> dict[str, Any]:
         status: dict[str, Any] = {"llm": "ok"}
-        url = self.settings.redis_url_or_env()
+        url = self.settings.redis_url  # REDIS_URL in the environment lands here too
         if url:
             import redis.asyncio as aioredis
 

