@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from connector.fact_arena import EntryView, FactArena
 from connector.layouts import PagedKVLayout, layout_for_metadata
-from connector.params import CaptureOp, InjectOp, KVMemoryConnectorMetadata, KVMemoryParams
+from connector.params import PARAMS_KEY, CaptureOp, InjectOp, KVMemoryConnectorMetadata, KVMemoryParams
 from connector.rotary import KeyRepositioner
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -82,8 +82,9 @@ class KVMemoryConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        self._scheduler.request_finished(request)
-        return False, None
+        # The report lands in RequestOutput.kv_transfer_params: the arena owner commits a capture
+        # only when its copy was scheduled.
+        return False, self._scheduler.request_finished(request)
 
     # ---------------------------------------------------------------- worker role
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -261,12 +262,14 @@ class _SchedulerSide:
         blocks = np.asarray(plan.block_ids, dtype=np.int64)
         return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def request_finished(self, request: "Request") -> None:
+    def request_finished(self, request: "Request") -> dict[str, Any] | None:
+        """Unpin the request's entries; returns the {"kvmem": {...}} outcome report."""
         plan = self.plans.pop(request.request_id, None)
         if plan is None:
-            return
+            return None
         for placement in plan.injects:
             self.arena.unpin(placement.view.entry_id, placement.view.generation)
+        return {PARAMS_KEY: {"captured": plan.captured}}
 
 
 # ===================================================================== worker side
