@@ -1,0 +1,265 @@
+"""FactStore: the durable memory records in Redis, the source of truth for every shard.
+
+A shard's vector index and fact KV are derived from what is here and rebuilt from it after a
+restart. Every write is one Redis transaction (MULTI/EXEC), so a record, its place in the
+user's set, its history event and its de-duplication key land together or not at all: a fact
+is acknowledged exactly when its transaction committed.
+
+Keys (prefix P, default "kvmem"):
+    P:fact:{id}               hash: the FactRecord fields (embedding as float32 bytes)
+    P:fact:{id}:history       list of JSON FactEvent, oldest first (kept after delete)
+    P:user:{u}:facts          set of the user's live fact ids
+    P:user:{u}:dedupe         hash sha1(text, source) -> fact id (re-adding returns the existing fact)
+    P:user:{u}:turns          hash turn id -> JSON Turn
+    P:user:{u}:turn_order     sorted set of turn ids by conversation order
+    P:user:{u}:shard          the shard holding the user's memory
+    P:shard:{s}:users         set of users assigned to shard s
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from typing import Literal, Sequence
+
+import numpy as np
+import redis
+from pydantic import BaseModel, Field
+
+
+class UnknownFact(KeyError):
+    """No live fact with this id (for this user)."""
+
+
+class Turn(BaseModel):
+    """One conversation turn (the context window facts are encoded with)."""
+
+    turn_id: str = Field(..., min_length=1, description="Dialogue id, e.g. 'D1:3'; unique per user.")
+    speaker: str = Field(..., description="Who said it.")
+    text: str = Field(..., description="What was said.")
+    order: float = Field(..., description="Position in the user's conversation history (ascending).")
+    session_time: str | None = Field(None, description="Session date/time as given by the source.")
+
+
+class NewFact(BaseModel):
+    """A fact to add: its text and where it came from."""
+
+    text: str = Field(..., min_length=1, max_length=2000, description="The fact, one sentence.")
+    source_id: str | None = Field(None, description="Turn id the fact was extracted from (its window ends there).")
+    session_time: str | None = Field(None, description="When the source conversation happened.")
+
+
+class FactRecord(BaseModel):
+    fact_id: str
+    user_id: str
+    text: str
+    source_id: str | None = None
+    session_time: str | None = None
+    version: int = 1
+    created_at: float
+    updated_at: float
+
+
+class FactEvent(BaseModel):
+    event: Literal["ADD", "UPDATE", "DELETE"]
+    fact_id: str
+    version: int
+    old_text: str | None = None
+    new_text: str | None = None
+    at: float
+
+
+def _dedupe_key(text: str, source_id: str | None) -> str:
+    return hashlib.sha1(f"{source_id or ''}\x00{text.strip()}".encode()).hexdigest()
+
+
+class FactStore:
+    """Redis-backed fact records, turns and shard assignments (see the module docstring)."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "kvmem") -> None:
+        self.r = client
+        self.p = prefix
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "kvmem") -> "FactStore":
+        return cls(redis.Redis.from_url(url), prefix)
+
+    # ------------------------------------------------------------------ keys
+    def _fact(self, fact_id: str) -> str:
+        return f"{self.p}:fact:{fact_id}"
+
+    def _history(self, fact_id: str) -> str:
+        return f"{self.p}:fact:{fact_id}:history"
+
+    def _user(self, user_id: str, what: str) -> str:
+        return f"{self.p}:user:{user_id}:{what}"
+
+    # ------------------------------------------------------------------ shard assignment
+    def shard_of(self, user_id: str, num_shards: int) -> int:
+        """The user's shard: assigned once (stable hash), then read back, so it survives resizes."""
+        key = self._user(user_id, "shard")
+        current = self.r.get(key)
+        if current is not None:
+            return int(current)
+        shard = int(hashlib.sha1(user_id.encode()).hexdigest(), 16) % num_shards
+        if self.r.set(key, shard, nx=True):
+            self.r.sadd(f"{self.p}:shard:{shard}:users", user_id)
+            return shard
+        return int(self.r.get(key))
+
+    def users_of_shard(self, shard: int) -> list[str]:
+        return sorted(u.decode() for u in self.r.smembers(f"{self.p}:shard:{shard}:users"))
+
+    def user_of_fact(self, fact_id: str) -> str | None:
+        user = self.r.hget(self._fact(fact_id), "user_id")
+        return user.decode() if user is not None else None
+
+    # ------------------------------------------------------------------ turns
+    def add_turns(self, user_id: str, turns: Sequence[Turn]) -> None:
+        if not turns:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self._user(user_id, "turns"), mapping={t.turn_id: t.model_dump_json() for t in turns})
+        pipe.zadd(self._user(user_id, "turn_order"), {t.turn_id: t.order for t in turns})
+        pipe.execute()
+
+    def last_turn_order(self, user_id: str) -> float:
+        last = self.r.zrange(self._user(user_id, "turn_order"), -1, -1, withscores=True)
+        return float(last[0][1]) if last else -1.0
+
+    def window_before(self, user_id: str, turn_id: str | None, w: int) -> list[Turn]:
+        """The w turns before `turn_id`, oldest first ([] when unknown or w == 0)."""
+        if turn_id is None or w <= 0:
+            return []
+        order_key = self._user(user_id, "turn_order")
+        rank = self.r.zrank(order_key, turn_id)
+        if rank is None or rank == 0:
+            return []
+        ids = self.r.zrange(order_key, max(0, rank - w), rank - 1)
+        raw = self.r.hmget(self._user(user_id, "turns"), ids)
+        return [Turn.model_validate_json(x) for x in raw if x is not None]
+
+    # ------------------------------------------------------------------ facts
+    def add(self, user_id: str, fact: NewFact, embedding: np.ndarray) -> tuple[FactRecord, bool]:
+        """Store a fact durably; returns (record, created). Re-adding the same text from the same
+        source returns the existing record (created=False), so a retried ingest makes no duplicates."""
+        dedupe = self._user(user_id, "dedupe")
+        key = _dedupe_key(fact.text, fact.source_id)
+        now = time.time()
+        record = FactRecord(
+            fact_id=uuid.uuid4().hex,
+            user_id=user_id,
+            text=fact.text.strip(),
+            source_id=fact.source_id,
+            session_time=fact.session_time,
+            created_at=now,
+            updated_at=now,
+        )
+
+        def claim(pipe: redis.client.Pipeline) -> str | None:
+            existing = pipe.hget(dedupe, key)
+            pipe.multi()
+            if existing is not None:
+                return existing.decode()
+            pipe.hset(dedupe, key, record.fact_id)
+            pipe.hset(self._fact(record.fact_id), mapping=self._to_hash(record, embedding, key))
+            pipe.sadd(self._user(user_id, "facts"), record.fact_id)
+            event = FactEvent(event="ADD", fact_id=record.fact_id, version=1, new_text=record.text, at=now)
+            pipe.rpush(self._history(record.fact_id), event.model_dump_json())
+            return None
+
+        existing = self.r.transaction(claim, dedupe, value_from_callable=True)
+        if existing is not None:
+            return self.get(existing, user_id), False
+        return record, True
+
+    def get(self, fact_id: str, user_id: str | None = None) -> FactRecord:
+        record, _ = self.get_with_embedding(fact_id, user_id)
+        return record
+
+    def get_with_embedding(self, fact_id: str, user_id: str | None = None) -> tuple[FactRecord, np.ndarray]:
+        raw = self.r.hgetall(self._fact(fact_id))
+        if not raw or raw.get(b"deleted") == b"1":
+            raise UnknownFact(f"no memory {fact_id!r}")
+        record, embedding = self._from_hash(raw)
+        if user_id is not None and record.user_id != user_id:
+            raise UnknownFact(f"no memory {fact_id!r} for user {user_id!r}")
+        return record, embedding
+
+    def fact_ids(self, user_id: str) -> list[str]:
+        return sorted(x.decode() for x in self.r.smembers(self._user(user_id, "facts")))
+
+    def all_with_embeddings(self, user_id: str) -> list[tuple[FactRecord, np.ndarray]]:
+        ids = self.fact_ids(user_id)
+        pipe = self.r.pipeline(transaction=False)
+        for fact_id in ids:
+            pipe.hgetall(self._fact(fact_id))
+        rows = [self._from_hash(raw) for raw in pipe.execute() if raw and raw.get(b"deleted") != b"1"]
+        return sorted(rows, key=lambda row: row[0].created_at)
+
+    def get_all(self, user_id: str) -> list[FactRecord]:
+        return [record for record, _ in self.all_with_embeddings(user_id)]
+
+    def update(self, fact_id: str, user_id: str, text: str, embedding: np.ndarray) -> FactRecord:
+        old = self.get(fact_id, user_id)
+        now = time.time()
+        new = old.model_copy(update={"text": text.strip(), "version": old.version + 1, "updated_at": now})
+        new_key = _dedupe_key(new.text, new.source_id)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hdel(self._user(user_id, "dedupe"), self._dedupe_of(fact_id))
+        pipe.hset(self._user(user_id, "dedupe"), new_key, fact_id)
+        pipe.hset(self._fact(fact_id), mapping=self._to_hash(new, embedding, new_key))
+        event = FactEvent(event="UPDATE", fact_id=fact_id, version=new.version, old_text=old.text, new_text=new.text, at=now)
+        pipe.rpush(self._history(fact_id), event.model_dump_json())
+        pipe.execute()
+        return new
+
+    def delete(self, fact_id: str, user_id: str) -> FactRecord:
+        old = self.get(fact_id, user_id)
+        now = time.time()
+        pipe = self.r.pipeline(transaction=True)
+        pipe.srem(self._user(user_id, "facts"), fact_id)
+        pipe.hdel(self._user(user_id, "dedupe"), self._dedupe_of(fact_id))
+        pipe.hset(self._fact(fact_id), mapping={"deleted": "1", "updated_at": now})
+        pipe.hdel(self._fact(fact_id), "embedding")
+        event = FactEvent(event="DELETE", fact_id=fact_id, version=old.version, old_text=old.text, at=now)
+        pipe.rpush(self._history(fact_id), event.model_dump_json())
+        pipe.execute()
+        return old
+
+    def delete_all(self, user_id: str) -> list[str]:
+        ids = self.fact_ids(user_id)
+        for fact_id in ids:
+            try:
+                self.delete(fact_id, user_id)
+            except UnknownFact:
+                pass  # deleted concurrently
+        return ids
+
+    def history(self, fact_id: str, user_id: str | None = None) -> list[FactEvent]:
+        owner = self.user_of_fact(fact_id)
+        if owner is None or (user_id is not None and owner != user_id):
+            raise UnknownFact(f"no memory {fact_id!r}" + (f" for user {user_id!r}" if user_id else ""))
+        return [FactEvent.model_validate_json(x) for x in self.r.lrange(self._history(fact_id), 0, -1)]
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def _dedupe_of(self, fact_id: str) -> str:
+        key = self.r.hget(self._fact(fact_id), "dedupe")
+        return key.decode() if key is not None else ""
+
+    @staticmethod
+    def _to_hash(record: FactRecord, embedding: np.ndarray, dedupe: str) -> dict[str, bytes | str]:
+        fields = {k: json.dumps(v) for k, v in record.model_dump().items()}
+        fields["embedding"] = np.ascontiguousarray(embedding, dtype=np.float32).tobytes()
+        fields["dedupe"] = dedupe
+        fields["deleted"] = "0"
+        return fields
+
+    @staticmethod
+    def _from_hash(raw: dict[bytes, bytes]) -> tuple[FactRecord, np.ndarray]:
+        names = FactRecord.model_fields
+        record = FactRecord(**{k.decode(): json.loads(v) for k, v in raw.items() if k.decode() in names})
+        embedding = np.frombuffer(raw.get(b"embedding", b""), dtype=np.float32).copy()
+        return record, embedding
