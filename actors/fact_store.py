@@ -114,7 +114,7 @@ class FactStore:
 
     def user_of_fact(self, fact_id: str) -> str | None:
         user = self.r.hget(self._fact(fact_id), "user_id")
-        return user.decode() if user is not None else None
+        return json.loads(user) if user is not None else None
 
     # ------------------------------------------------------------------ turns
     def add_turns(self, user_id: str, turns: Sequence[Turn]) -> None:

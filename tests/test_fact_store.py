@@ -59,6 +59,7 @@ def test_users_are_isolated(store: FactStore) -> None:
         store.history(a.fact_id, "bob")
     assert store.delete_all("bob") == [b.fact_id]
     assert [r.fact_id for r in store.get_all("alice")] == [a.fact_id]
+    assert store.user_of_fact(a.fact_id) == "alice" and store.user_of_fact("nope") is None
 
 
 def test_window_and_shard_assignment(store: FactStore) -> None:

@@ -1,0 +1,117 @@
+"""Token layout of memory-conditioned prompts, encode prompts and extraction prompts.
+
+Served prompt (token ids, concatenated):
+
+    [prefix][fact_1][fact_2]...[fact_k][suffix]
+
+where prefix + suffix is the model's own chat template around the conversation, with the
+memory inside the system message: the template is rendered once with a marker where the
+memory goes and split there. The prefix is the same for every request, so it is captured
+once into the arena and injected too; the facts are injected; only the suffix (the user's
+messages and the generation prompt) is prefilled.
+
+Encode prompt of a fact: [prefix][window][fact], the window being the w conversation turns
+before the fact's source turn. The fact's KV is captured from this prompt (DESIGN §4: the kept
+slice is exactly what a prefill of [prefix; window; fact] produces for it).
+
+Fact segments are tokenized on their own ("- text\\n"); both prompt and KV injection use the
+same token ids, so the two paths see identical inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from actors.fact_store import Turn
+
+MEMORY_MARKER = "\u2063KVMEM_MEMORY\u2063"
+
+DEFAULT_INSTRUCTION = (
+    "You are a helpful assistant with a long-term memory of the user. "
+    "Facts you remember about the user, most relevant last:\n"
+)
+
+EXTRACTION_INSTRUCTION = (
+    "Extract at most {n} short, standalone facts about the speaker from the message below. "
+    "Each fact is one sentence that names the speaker. Answer in JSON: {{\"facts\": [...]}}. "
+    "Return an empty list when the message holds no lasting fact."
+)
+
+
+def extraction_schema(max_facts: int) -> dict[str, Any]:
+    """JSON schema the extraction output is constrained to (vLLM structured outputs)."""
+    return {
+        "type": "object",
+        "properties": {
+            "facts": {"type": "array", "items": {"type": "string", "maxLength": 300}, "maxItems": max_facts}
+        },
+        "required": ["facts"],
+        "additionalProperties": False,
+    }
+
+
+@dataclass(frozen=True)
+class EncodePrompt:
+    token_ids: list[int]
+    start: int  # first token of the fact segment
+    length: int  # fact segment tokens
+
+
+class PromptLayout:
+    """Builds token ids for served, encode and extraction prompts with one tokenizer."""
+
+    def __init__(self, tokenizer: Any, instruction: str = DEFAULT_INSTRUCTION) -> None:
+        self.tokenizer = tokenizer
+        self.instruction = instruction
+        rendered = self._render([{"role": "system", "content": instruction + MEMORY_MARKER}], generation=False)
+        if rendered.count(MEMORY_MARKER) != 1:
+            raise ValueError("the chat template does not place the system message verbatim")
+        prefix_text, _ = rendered.split(MEMORY_MARKER)
+        self.prefix_ids: list[int] = self._encode(prefix_text)
+
+    def _render(self, messages: list[dict[str, str]], generation: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ---------------------------------------------------------------- served prompts
+    def fact_ids(self, text: str) -> list[int]:
+        return self._encode(f"- {text.strip()}\n")
+
+    def suffix_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Everything after the memory: the end of the system message, the conversation and the
+        generation prompt. A caller's own system messages go after the memory, inside ours."""
+        system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+        rest = [dict(m) for m in messages if m["role"] != "system"]
+        content = self.instruction + MEMORY_MARKER + (("\n" + system) if system else "")
+        rendered = self._render([{"role": "system", "content": content}, *rest], generation=True)
+        head, tail = rendered.split(MEMORY_MARKER)
+        if self._encode(head) != self.prefix_ids:
+            raise ValueError("the chat template renders the memory prefix differently per conversation")
+        return self._encode(tail)
+
+    def plain_prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The conversation without memory (the model's own chat template, untouched)."""
+        return self._encode(self._render([dict(m) for m in messages], generation=True))
+
+    # ---------------------------------------------------------------- encode prompts
+    def window_ids(self, turns: Sequence[Turn]) -> list[int]:
+        if not turns:
+            return []
+        lines = "".join(f"{t.speaker}: {t.text.strip()}\n" for t in turns)
+        return self._encode(f"(conversation) {lines}")
+
+    def encode_prompt(self, fact_text: str, window: Sequence[Turn]) -> EncodePrompt:
+        fact = self.fact_ids(fact_text)
+        head = self.prefix_ids + self.window_ids(window)
+        return EncodePrompt(token_ids=head + fact, start=len(head), length=len(fact))
+
+    # ---------------------------------------------------------------- extraction
+    def extraction_prompt_ids(self, speaker: str, text: str, max_facts: int) -> list[int]:
+        messages = [
+            {"role": "system", "content": EXTRACTION_INSTRUCTION.format(n=max_facts)},
+            {"role": "user", "content": f"{speaker}: {text}"},
+        ]
+        return self._encode(self._render(messages, generation=True))

