@@ -109,6 +109,15 @@ class FactStore:
             return shard
         return int(self.r.get(key))
 
+    def claim_user(self, user_id: str, shard: int) -> None:
+        """Record that `shard` holds the user's memory (what a restarted shard rebuilds from);
+        refuses a user already held by another shard."""
+        key = self._user(user_id, "shard")
+        if self.r.set(key, shard, nx=True) or int(self.r.get(key)) == shard:
+            self.r.sadd(f"{self.p}:shard:{shard}:users", user_id)
+            return
+        raise ValueError(f"user {user_id!r} belongs to shard {int(self.r.get(key))}, not {shard}")
+
     def users_of_shard(self, shard: int) -> list[str]:
         return sorted(u.decode() for u in self.r.smembers(f"{self.p}:shard:{shard}:users"))
 

@@ -19,6 +19,7 @@ loses nothing that was acknowledged.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -170,10 +171,11 @@ class MemoryShard:
         return str(self._arena_path)
 
     def ready(self) -> dict[str, Any]:
-        return {"shard": self.shard_id, "facts": len(self.facts), "arena": self.arena_path()}
+        return {"shard": self.shard_id, "facts": len(self.facts), "arena": self.arena_path(), "pid": os.getpid()}
 
     # ================================================================== writes
     def add_turns(self, user_id: str, turns: Sequence[Turn]) -> None:
+        self.store.claim_user(user_id, self.shard_id)
         self.store.add_turns(user_id, list(turns))
 
     def next_turn_order(self, user_id: str) -> float:
@@ -185,6 +187,7 @@ class MemoryShard:
         facts = [NewFact.model_validate(f) for f in facts]
         if not facts:
             return []
+        self.store.claim_user(user_id, self.shard_id)
         embeddings = self.embedder.embed([f.text for f in facts])
         results = []
         for fact, embedding in zip(facts, embeddings):

@@ -73,3 +73,8 @@ def test_window_and_shard_assignment(store: FactStore) -> None:
     shard = store.shard_of("alice", 4)
     assert store.shard_of("alice", 7) == shard  # assigned once, kept when the shard count changes
     assert "alice" in store.users_of_shard(shard)
+    store.claim_user("zoe", 2)
+    store.claim_user("zoe", 2)  # idempotent
+    assert "zoe" in store.users_of_shard(2) and store.shard_of("zoe", 4) == 2
+    with pytest.raises(ValueError, match="belongs to shard 2"):
+        store.claim_user("zoe", 1)
