@@ -414,6 +414,7 @@ class CagraIndex(VectorIndex):
         self._bitsets: dict[int, Any] = {}
         self._alive_bitset: Any = None
         self._search_params: dict[int, Any] = {}
+        self._extend_style: str | None = None
         self.last_error: str | None = None
         self._failed_at: int | None = None
         self.stats: dict[str, float] = {"builds": 0, "extends": 0, "last_build_s": 0.0, "last_extend_s": 0.0}
@@ -603,12 +604,7 @@ class CagraIndex(VectorIndex):
         try:
             self._sync()
             with self._on_device():
-                if self._extend_takes_start_row():
-                    # cuVS >= 26.10: the caller passes old || new rows and where the new ones begin.
-                    out = self.cagra.extend(params, self._index, full, new_start_row=n_old)
-                else:
-                    # older cuVS: extend(params, index, additional_rows) -> index
-                    out = self.cagra.extend(params, self._index, self._rows[n_old:n_new].contiguous())
+                out = self._call_extend(params, full, n_old, n_new)
         except Exception as exc:
             self.last_error = f"cagra.extend({n_old}+{n_new - n_old} rows): {type(exc).__name__}: {exc}; rebuilding"
             warnings.warn(self.last_error, RuntimeWarning, stacklevel=3)
@@ -623,12 +619,31 @@ class CagraIndex(VectorIndex):
         self.stats["extends"] += 1
         self.stats["last_extend_s"] = time.perf_counter() - t0
 
-    def _extend_takes_start_row(self) -> bool:
-        try:
-            return "new_start_row" in inspect.signature(self.cagra.extend).parameters
-        except (TypeError, ValueError):
-            doc = getattr(self.cagra.extend, "__doc__", "") or ""
-            return "new_start_row" in doc
+    def _call_extend(self, params: Any, full: torch.Tensor, n_old: int, n_new: int) -> Any:
+        """cuVS >= 26.10: extend(params, index, old || new rows, new_start_row) rebinding the index;
+        older: extend(params, index, new rows) -> index. The form is read off the signature
+        (or docstring), else tried: new first, the old one on a TypeError."""
+        style = self._extend_style
+        if style is None:
+            try:
+                names = set(inspect.signature(self.cagra.extend).parameters)
+            except (TypeError, ValueError):
+                names = set()
+            if "new_start_row" in names or "new_start_row" in (getattr(self.cagra.extend, "__doc__", "") or ""):
+                style = "new"
+            elif "additional_dataset" in names:
+                style = "old"
+        if style in (None, "new"):
+            try:
+                out = self.cagra.extend(params, self._index, full, new_start_row=n_old)
+                self._extend_style = "new"
+                return out
+            except TypeError:
+                if style == "new":
+                    raise
+        out = self.cagra.extend(params, self._index, self._rows[n_old:n_new].contiguous())
+        self._extend_style = "old"
+        return out
 
     # -- queries
     def route(self, user_id: str, k: int) -> Literal["exact", "cagra"]:
@@ -667,9 +682,12 @@ class CagraIndex(VectorIndex):
                 return [[] for _ in range(q.shape[0])]
             kk = min(int(k), live)
             if route == "exact" or self._index is None:
-                alive = torch.from_numpy(np.flatnonzero(self._row_alive[: self._n_rows])).to(self.device)
-                top, cols = torch.topk(q @ self._rows[alive].T, kk, dim=1)
-                rows = alive[cols]
+                if self._n_dead == 0:
+                    top, rows = torch.topk(q @ self._rows[: self._n_rows].T, kk, dim=1)
+                else:
+                    alive = torch.from_numpy(np.flatnonzero(self._row_alive[: self._n_rows])).to(self.device)
+                    top, cols = torch.topk(q @ self._rows[alive].T, kk, dim=1)
+                    rows = alive[cols]
                 return _hits(top, rows, self._row_fact.__getitem__)
             bitset = None
             if self._n_dead:

@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--queries", type=int, default=1000)
     ap.add_argument("--k", type=int, default=50)
-    ap.add_argument("--itopk", default="64,128,256", help="itopk_size values for the recall sweep")
+    ap.add_argument("--itopk", default="64,128,256,512", help="itopk_size values for the recall sweep")
     ap.add_argument("--default-itopk", type=int, default=128)
     ap.add_argument("--exact-user-max", type=int, default=20_000)
     ap.add_argument("--extend-rows", type=int, default=1000)

@@ -52,10 +52,11 @@ def assert_same(got: list[list[SearchHit]], want: list[list[tuple[str, float]]])
 # ----------------------------------------------------------------------------- a cuVS stand-in
 
 
-def fake_cuvs(old_extend: bool = False) -> tuple[types.SimpleNamespace, types.SimpleNamespace]:
+def fake_cuvs(old_extend: bool = False, opaque: bool = False) -> tuple[types.SimpleNamespace, types.SimpleNamespace]:
     """Brute-force cagra/filters with cuVS's calling conventions: uint32 neighbours, 0xFFFFFFFF
     where fewer than k rows pass the bitset, build failing on tiny datasets, extend in the
-    26.10 form (old || new rows + new_start_row) or the older one (new rows, returns index)."""
+    26.10 form (old || new rows + new_start_row) or the older one (new rows, returns index);
+    `opaque` hides extend's signature and docstring behind a (*args, **kwargs) wrapper."""
     calls = {"build": 0, "extend": 0, "search": 0}
 
     class Index:
@@ -95,6 +96,12 @@ def fake_cuvs(old_extend: bool = False) -> tuple[types.SimpleNamespace, types.Si
             index.data = extended_dataset
             return index
 
+    if opaque:
+        inner = extend
+
+        def extend(*args, resources=None, **kwargs):  # noqa: F811
+            return inner(*args, **kwargs)
+
     cagra = types.SimpleNamespace(
         IndexParams=lambda **kw: kw,
         SearchParams=lambda itopk_size=64, **kw: types.SimpleNamespace(itopk_size=itopk_size),
@@ -108,10 +115,10 @@ def fake_cuvs(old_extend: bool = False) -> tuple[types.SimpleNamespace, types.Si
     return cagra, filters
 
 
-def fake_cagra_index(old_extend: bool = False, **kw) -> CagraIndex:
+def fake_cagra_index(old_extend: bool = False, opaque: bool = False, **kw) -> CagraIndex:
     opts = dict(cagra_min_vectors=256, exact_user_max_vectors=0, extend_min_vectors=16, itopk_size=32)
     opts.update(kw)
-    return CagraIndex(DIM, "cpu", cuvs_modules=fake_cuvs(old_extend), **opts)
+    return CagraIndex(DIM, "cpu", cuvs_modules=fake_cuvs(old_extend, opaque), **opts)
 
 
 # ----------------------------------------------------------------------------- ExactIndex
@@ -258,14 +265,19 @@ def test_pack_bits_layout() -> None:
     assert words[0] == (1 << 0) | (1 << 5) | (1 << 31) and words[1] == 1 and words[2] == 1 << 5
 
 
-@pytest.mark.parametrize("old_extend", [False, True], ids=["extend-26.10", "extend-older"])
+@pytest.mark.parametrize(
+    ("old_extend", "opaque"),
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["extend-26.10", "extend-older", "extend-26.10-opaque", "extend-older-opaque"],
+)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_cagra_bookkeeping_random_workload(old_extend: bool, seed: int) -> None:
+def test_cagra_bookkeeping_random_workload(old_extend: bool, opaque: bool, seed: int) -> None:
     """Every search forced onto the graph path (exact_user_max_vectors=0) must equal brute force."""
-    idx = fake_cagra_index(old_extend)
+    idx = fake_cagra_index(old_extend, opaque)
     store = random_workload(idx, seed, steps=40, add_max=150)
     calls = idx.cagra.calls
     assert calls["build"] >= 1 and calls["extend"] >= 1, calls
+    assert idx._extend_style == ("old" if old_extend else "new") and idx.last_error is None
     if len(store) >= idx.cagra_min_vectors:
         assert idx.has_graph
     searches = calls["search"]
