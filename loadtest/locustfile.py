@@ -2,7 +2,10 @@
 
 Each chat request carries a `user` id drawn from a pool of KVMEM_LOADTEST_USERS ids (default
 20), so the same users come back as they would to a memory service, and a question drawn from
-a small built-in list. Responses are not streamed, so Locust's response time is the whole
+a small built-in list. Each simulated client first gives its user a memory (KVMEM_LOADTEST_FACTS
+facts, default 20, through POST /v1/memories; re-adding is idempotent), and chats with
+memory mode KVMEM_LOADTEST_MEMORY_MODE (kv, prompt or none; default kv), so the same run can
+be repeated per mode and compared. Responses are not streamed, so Locust's response time is the whole
 completion time (no time to first token). A request counts as failed unless it answers 200
 with a non-empty assistant message.
 
@@ -42,13 +45,31 @@ def user_pool(size: int) -> list[str]:
     return [f"loadtest-user-{index:04d}" for index in range(size)]
 
 
-def chat_body(user: str, question: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+FACT_TEMPLATES: tuple[str, ...] = (
+    "{user} has a dog called Biscuit.",
+    "{user} is vegetarian.",
+    "{user} lives in a flat in Leeds.",
+    "{user} works night shifts as a nurse.",
+    "{user} is learning to play the cello.",
+    "{user} is allergic to peanuts.",
+    "{user} runs 5 km every Sunday.",
+    "{user} is saving for a trip to Japan.",
+)
+
+
+def memory_facts(user: str, count: int) -> list[str]:
+    """The facts a load-test user's memory is seeded with (numbered beyond the templates)."""
+    return [FACT_TEMPLATES[i % len(FACT_TEMPLATES)].format(user=user) + (f" (note {i})" if i >= len(FACT_TEMPLATES) else "") for i in range(count)]
+
+
+def chat_body(user: str, question: str, max_tokens: int = MAX_TOKENS, memory_mode: str = "kv") -> dict[str, Any]:
     """Request body of POST /v1/chat/completions (serve_app.protocol.ChatCompletionRequest)."""
     return {
         "messages": [{"role": "user", "content": question}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "user": user,
+        "memory": {"mode": memory_mode},
     }
 
 
@@ -66,6 +87,8 @@ def completion_problem(status_code: int, text: str) -> str | None:
 
 
 USERS = user_pool(int(os.environ.get("KVMEM_LOADTEST_USERS", "20")))
+FACTS_PER_USER = int(os.environ.get("KVMEM_LOADTEST_FACTS", "20"))
+MEMORY_MODE = os.environ.get("KVMEM_LOADTEST_MEMORY_MODE", "kv")
 
 
 class ChatUser(HttpUser):
@@ -73,9 +96,15 @@ class ChatUser(HttpUser):
 
     wait_time = between(0.5, 2.0)
 
+    def on_start(self) -> None:
+        self.user_id = random.choice(USERS)
+        if FACTS_PER_USER > 0:
+            body = {"user_id": self.user_id, "facts": memory_facts(self.user_id, FACTS_PER_USER)}
+            self.client.post("/v1/memories", json=body, name="memories/add")
+
     @task(10)
     def chat(self) -> None:
-        body = chat_body(random.choice(USERS), random.choice(QUESTIONS))
+        body = chat_body(self.user_id, random.choice(QUESTIONS), memory_mode=MEMORY_MODE)
         with self.client.post("/v1/chat/completions", json=body, name="chat", catch_response=True) as response:
             # On a connection error the status is 0, the text empty and the cause in `error`.
             text = response.text or str(getattr(response, "error", "") or "")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from serve_app.protocol import ChatCompletionRequest
+from serve_app.protocol import AddMemoryRequest, ChatCompletionRequest
 
 REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "loadtest/locustfile.py"
@@ -49,6 +49,8 @@ print(json.dumps({
         [user, question, module.chat_body(user, question)] for user in module.USERS for question in module.QUESTIONS
     ],
     "problems": {name: module.completion_problem(*response) for name, response in responses.items()},
+    "facts": module.memory_facts(module.USERS[0], 12),
+    "memory_mode": module.MEMORY_MODE,
 }))
 """
 
@@ -83,6 +85,13 @@ def test_request_bodies_are_valid_chat_completion_requests(probe: dict[str, Any]
         assert request.user == user
         assert [(m.role, m.content) for m in request.messages] == [("user", question)]
         assert request.max_tokens and not request.stream
+        assert request.memory.mode == probe["memory_mode"] == "kv"
+
+
+def test_each_user_is_seeded_with_distinct_facts(probe: dict[str, Any]) -> None:
+    facts = probe["facts"]
+    assert len(facts) == len(set(facts)) == 12  # distinct: re-adding the same list adds nothing new
+    AddMemoryRequest(user_id=probe["users"][0], facts=facts)
 
 
 def test_only_a_200_with_non_empty_content_counts_as_success(probe: dict[str, Any]) -> None:
