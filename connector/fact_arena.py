@@ -13,11 +13,17 @@ process reach the same bytes:
 Layout of the directory:
     header.json  geometry (layers, kv heads, head size, dtype, page size, capacities)
     kv.bin       KV data, a torch tensor [num_layers, num_pages * page_tokens, 2, kv_heads, head_size]
-    tables.bin   entry table, page ownership, token ids (numpy structured views)
+    tables.bin   entry table, page ownership, token ids, page residency (numpy views)
     lock         fcntl lock file: every state change of the tables happens under it
 
 Keys are stored as the engine wrote them (rotated for the positions they were encoded at,
 `encode_start` onwards); the injector re-rotates them by the position difference.
+
+Tiers: kv.bin is the host tier and stays authoritative. On a GPU, the engine's worker pins it
+(cudaHostRegister) and keeps some pages in an HBM tier of its own; it publishes which pages
+are resident in `page_device` (one int32 per page: the device slot, -1 when host only), so the
+owner can account bytes per tier (usage()). Only the worker writes that table, except that
+freeing a page resets it.
 
 Entry life cycle: FREE -> WRITING (allocated, capture in flight) -> LIVE (committed) ->
 RETIRED (released by the owner while a request still pins it) -> FREE. A pinned entry is
@@ -122,6 +128,11 @@ def _entry_dtype(max_pages: int) -> np.dtype:
     )
 
 
+def _table_sizes(g: ArenaGeometry) -> list[int]:
+    """Byte sizes of the tables in tables.bin: entries, page owners, token ids, page residency."""
+    return [g.max_entries * _entry_dtype(g.max_pages_per_entry).itemsize, g.num_pages * 4, g.num_token_slots * 4, g.num_pages * 4]
+
+
 class FactArena:
     """Shared-memory fact KV arena (see the module docstring). Open with create() or open()."""
 
@@ -130,7 +141,8 @@ class FactArena:
         self.geometry = geometry
         g = geometry
         entry_dtype = _entry_dtype(g.max_pages_per_entry)
-        sizes = [g.max_entries * entry_dtype.itemsize, g.num_pages * 4, g.num_token_slots * 4]
+        sizes = _table_sizes(g)
+        self._extend_tables(sum(sizes), g.num_pages * 4)
         self._tables = np.memmap(self.path / "tables.bin", dtype=np.uint8, mode="r+", shape=(sum(sizes),))
         offset = 0
         self.entries = np.ndarray((g.max_entries,), dtype=entry_dtype, buffer=self._tables, offset=offset)
@@ -138,6 +150,9 @@ class FactArena:
         self.page_owner = np.ndarray((g.num_pages,), dtype=np.int32, buffer=self._tables, offset=offset)
         offset += sizes[1]
         self.token_ids = np.ndarray((g.num_token_slots,), dtype=np.int32, buffer=self._tables, offset=offset)
+        offset += sizes[2]
+        # device slot of each page in the engine worker's HBM tier, -1 when host only
+        self.page_device = np.ndarray((g.num_pages,), dtype=np.int32, buffer=self._tables, offset=offset)
         numel = g.num_layers * g.num_token_slots * 2 * g.num_kv_heads * g.head_size
         flat = torch.from_file(str(self.path / "kv.bin"), shared=True, size=numel, dtype=g.torch_dtype)
         self.kv = flat.view(g.num_layers, g.num_token_slots, 2, g.num_kv_heads, g.head_size)
@@ -156,14 +171,13 @@ class FactArena:
                 raise ArenaError(f"arena at {path} has geometry {arena.geometry}, wanted {geometry}")
             return arena
         path.mkdir(parents=True, exist_ok=True)
-        entry_dtype = _entry_dtype(geometry.max_pages_per_entry)
-        table_bytes = geometry.max_entries * entry_dtype.itemsize + geometry.num_pages * 4 + geometry.num_token_slots * 4
         with open(path / "tables.bin", "wb") as f:
-            f.truncate(table_bytes)
+            f.truncate(sum(_table_sizes(geometry)))
         with open(path / "kv.bin", "wb") as f:
             f.truncate(geometry.kv_bytes())  # sparse: pages cost memory when first written
         arena = cls(path, geometry)
         arena.page_owner[:] = -1
+        arena.page_device[:] = -1
         arena._tables.flush()
         (path / "header.json.tmp").write_text(json.dumps(asdict(geometry)))
         os.replace(path / "header.json.tmp", path / "header.json")  # the arena exists once this lands
@@ -255,14 +269,39 @@ class FactArena:
             record["pins"] += 1
             return self._view(entry_id)
 
-    def unpin(self, entry_id: int, generation: int) -> None:
+    def pin_many(self, placements: list[tuple[int, int]]) -> list[EntryView | None]:
+        """Pin several (entry, generation) pairs under one lock: all or none.
+
+        Returns one view per pair; where any pair cannot be pinned, nothing stays pinned and
+        the failing pairs are None in the list."""
+        views: list[EntryView | None] = []
         with self.locked():
-            record = self.entries[entry_id]
-            if int(record["generation"]) != generation or record["pins"] <= 0:
-                raise ArenaError(f"unpin of entry {entry_id} gen {generation} that is not pinned")
-            record["pins"] -= 1
-            if record["pins"] == 0 and record["state"] == RETIRED:
-                self._free(entry_id)
+            for entry_id, generation in placements:
+                view = None
+                if 0 <= entry_id < self.geometry.max_entries:
+                    record = self.entries[entry_id]
+                    if record["state"] == LIVE and int(record["generation"]) == generation:
+                        record["pins"] += 1
+                        view = self._view(entry_id)
+                views.append(view)
+            if any(v is None for v in views):
+                for v in views:
+                    if v is not None:
+                        self.entries[v.entry_id]["pins"] -= 1
+        return views
+
+    def unpin(self, entry_id: int, generation: int) -> None:
+        self.unpin_many([(entry_id, generation)])
+
+    def unpin_many(self, placements: list[tuple[int, int]]) -> None:
+        with self.locked():
+            for entry_id, generation in placements:
+                record = self.entries[entry_id]
+                if int(record["generation"]) != generation or record["pins"] <= 0:
+                    raise ArenaError(f"unpin of entry {entry_id} gen {generation} that is not pinned")
+                record["pins"] -= 1
+                if record["pins"] == 0 and record["state"] == RETIRED:
+                    self._free(entry_id)
 
     def writing_view(self, entry_id: int, generation: int) -> EntryView | None:
         """The view of an entry being written (capture target); None when stale."""
@@ -288,17 +327,42 @@ class FactArena:
             return "stale"
         return STATE_NAMES[int(record["state"])]
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over all layers (K and V)."""
+        return self.geometry.kv_bytes() // self.geometry.num_pages
+
     def usage(self) -> dict[str, int]:
         states = self.entries["state"]
+        pages_used = int((self.page_owner >= 0).sum())
+        resident = int(((self.page_device >= 0) & (self.page_owner >= 0)).sum())
         return {
             "entries_live": int((states == LIVE).sum()),
             "entries_writing": int((states == WRITING).sum()),
             "entries_retired": int((states == RETIRED).sum()),
-            "pages_used": int((self.page_owner >= 0).sum()),
+            "pages_used": pages_used,
             "pages_total": self.geometry.num_pages,
+            "device_pages_resident": resident,  # also held in the worker's HBM tier
+            "bytes_host": pages_used * self.page_bytes,  # the host tier holds every used page
+            "bytes_device": resident * self.page_bytes,
         }
 
+    def publish_residency(self, pages: np.ndarray, slots: np.ndarray) -> None:
+        """Worker side: record the device slots (-1: host only) of `pages`."""
+        if len(pages):
+            with self.locked():
+                self.page_device[pages] = slots
+
     # ------------------------------------------------------------------ internals
+    def _extend_tables(self, wanted: int, residency_bytes: int) -> None:
+        """Arenas made before the residency table existed: append it (all pages host only)."""
+        tables = self.path / "tables.bin"
+        size = tables.stat().st_size
+        if size == wanted - residency_bytes:
+            with open(tables, "r+b") as f:
+                f.seek(size)
+                f.write(np.full(residency_bytes // 4, -1, dtype=np.int32).tobytes())
+
     def _record(self, ref: EntryRef):
         if not 0 <= ref.entry_id < self.geometry.max_entries:
             raise ArenaError(f"unknown entry {ref.entry_id}")
@@ -311,6 +375,7 @@ class FactArena:
         record = self.entries[entry_id]
         pages = record["pages"][: record["n_pages"]]
         self.page_owner[pages] = -1
+        self.page_device[pages] = -1  # the worker's copy is stale now (it checks generations)
         record["n_pages"] = 0
         record["n_tokens"] = 0
         record["state"] = FREE
