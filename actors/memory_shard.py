@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -120,7 +121,12 @@ class MemoryShard:
         self.index = build_index(settings.index, self.embedder.dim)
         geometry = arena_geometry_for(model_dir, kv_dtype, **settings.arena.model_dump(exclude={"device_pages"}))
         self._arena_path = Path(settings.arena_dir) / f"kvmem-{namespace}-shard{shard_id}"
-        self.arena = FactArena.create(self._arena_path, geometry, exist_ok=True)
+        try:
+            self.arena = FactArena.create(self._arena_path, geometry, exist_ok=True)
+        except ArenaError:  # left by a run with other settings: its KV is derived, start afresh
+            logger.warning("shard %d: replacing the arena at %s (geometry changed)", shard_id, self._arena_path)
+            shutil.rmtree(self._arena_path)
+            self.arena = FactArena.create(self._arena_path, geometry)
         self.facts: dict[str, _FactKV] = {}
         self.queue: deque[str] = deque()
         self.in_flight: dict[str, EncodeJob] = {}
