@@ -263,6 +263,8 @@ class GpuInjector:
         self.events = [torch.cuda.Event() for _ in self.groups] if self.on_cuda else []
         self.pending: _Pending | None = None
         self.stats = InjectorStats()
+        if self.on_cuda:
+            self._warm_up()
         logger.info(
             "GPU injector: HBM tier %d pages (%.2f GiB), host tier %s, %d layer groups",
             capacity,
@@ -270,6 +272,20 @@ class GpuInjector:
             "pinned and mapped" if self.host is not None else "pageable",
             len(self.groups),
         )
+
+    def _warm_up(self) -> None:
+        """Compile every kernel variant now, not in a request: one token into cache slot 0.
+
+        Block 0 is vLLM's null block (never read for a request), so writing it is harmless."""
+        row0, slot0, none = self._to_device(np.zeros(1), np.zeros(1), np.full(1, -1))
+        staging = self._ensure_staging(1)
+        src = self.host if self.host is not None else staging
+        self.kernels.copy_rows(src, row0, staging, row0)
+        self.kernels.copy_rows(src, row0, staging, row0, self.tier if self.tier.shape[1] else staging, none)
+        self._inject(staging, row0, slot0, row0)  # all layers (distance 0)
+        self._inject(staging, row0, slot0, row0, 1, 1)  # a layer range
+        self.kernels.extract(self.cache, slot0, staging, row0)
+        torch.cuda.current_stream(self.device).synchronize()
 
     # ---------------------------------------------------------------- helpers
     def _owners(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

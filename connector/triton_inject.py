@@ -26,7 +26,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Sizes and offsets that change from step to step are not specialised (no recompilation when a
+# token count happens to be 1 or a multiple of 16).
+@triton.jit(do_not_specialize=["src_layer_stride", "n_tokens", "layer_start"])
 def _inject_kernel(
     src_ptr,
     src_rows_ptr,
@@ -107,7 +109,7 @@ def _inject_kernel(
     tl.store(dst, out.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["dst_layer_stride", "n_tokens", "layer_start"])
 def _extract_kernel(
     cache_ptr,
     layer_offsets_ptr,
@@ -154,7 +156,7 @@ def _extract_kernel(
     tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src_layer_stride", "dst_layer_stride", "dst2_layer_stride", "n_rows", "layer_start"])
 def _copy_rows_kernel(
     src_ptr,
     src_rows_ptr,
