@@ -74,7 +74,8 @@ class LLMReplica:
             shard_id, settings.memory, model, kv_dtype, settings.redis_url, settings.namespace,
         )
         arena_path = ray.get(self.shard.arena_path.remote())
-        self.engine = build_async_engine(settings.engine, model, kv_transfer_config=kv_transfer_config(arena_path))
+        connector = kv_transfer_config(arena_path, device_pages=settings.memory.arena.device_pages)
+        self.engine = build_async_engine(settings.engine, model, kv_transfer_config=connector)
         self._driver_task: asyncio.Task | None = None
         from actors.encoder import EncodeDriver
 
