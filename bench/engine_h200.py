@@ -213,7 +213,7 @@ def part_smoke(args) -> dict:
     sin = torch.randn(131072, 64, device=dev)
     moved = 2 * layers * tokens * 2 * heads * head * 2  # read + write, bytes
     t_inject = do_bench(lambda: ti.inject(cache_ref, src, rows, slots, dist, cos, sin, head, True), warmup=50, rep=300, return_mode="median")
-    host = torch.randn(layers, rows_total, 2, heads, head, dtype=torch.bfloat16).contiguous()
+    host = src.cpu().contiguous()
     mapped = pin_host_tensor(host, dev)
     staging = torch.empty(layers, tokens, 2, heads, head, dtype=torch.bfloat16, device=dev)
     stage_rows = torch.arange(tokens, device=dev)
