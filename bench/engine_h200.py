@@ -387,6 +387,11 @@ def part_engine8b(args) -> dict:
 def _convert_smollm2(gguf_dir: Path, target: Path) -> Path:
     if (target / "model.safetensors").exists():
         return target
+    # gguf imports mistral_common when present; the staged one fails on import (no pycountry)
+    # with a RuntimeError that gguf does not catch: make it a plain ImportError for the conversion
+    hidden = "mistral_common" not in sys.modules
+    if hidden:
+        sys.modules["mistral_common"] = None  # type: ignore[assignment]
     from transformers import AutoModelForCausalLM
 
     work = Path(tempfile.mkdtemp(prefix="gguf-"))
@@ -399,6 +404,8 @@ def _convert_smollm2(gguf_dir: Path, target: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(target)
+    if hidden:
+        del sys.modules["mistral_common"]
     return target
 
 
