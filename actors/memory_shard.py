@@ -404,8 +404,6 @@ class MemoryShard:
     # ================================================================== accounting
     def stats(self) -> dict[str, Any]:
         usage = self.arena.usage()
-        g = self.arena.geometry
-        page_bytes = g.kv_bytes() // g.num_pages
         return {
             "shard": self.shard_id,
             "facts": len([k for k in self.facts if "@" not in k]),
@@ -413,8 +411,8 @@ class MemoryShard:
             "facts_encoded_total": self.facts_encoded,
             "pending_encodes": self.pending_encodes(),
             "index_vectors": len(self.index),
-            "host_bytes_used": usage["pages_used"] * page_bytes,
-            "host_bytes_capacity": g.kv_bytes(),
-            "device_bytes_used": usage.get("device_pages_resident", 0) * page_bytes,
+            "host_bytes_used": usage["bytes_host"],
+            "host_bytes_capacity": self.arena.geometry.kv_bytes(),
+            "device_bytes_used": usage["bytes_device"],  # pages the engine's HBM tier holds too
             **usage,
         }

@@ -3,6 +3,9 @@ as Ray actors, two shards (two engines) behind the router."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import requests
 
@@ -21,7 +24,14 @@ def served_app(redis_server, smollm2_dir):
     import tempfile
 
     port = free_loopback_port()
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    metrics_port = free_loopback_port()
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _metrics_export_port=metrics_port,
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}},
+    )
+    os.environ["KVMEM_TEST_METRICS_URL"] = f"http://127.0.0.1:{metrics_port}/metrics"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "redis_url": redis_server.url,
@@ -138,3 +148,20 @@ def test_add_from_messages_extracts_facts_with_the_served_model(served_app: str)
     records = requests.get(f"{served_app}/v1/memories", params={"user_id": "gina"}, timeout=60).json()["results"]
     assert {r["fact_id"] for r in records} == {r["id"] for r in results}
     assert all(r["source_id"] and r["source_id"].startswith("m-") for r in records)
+
+
+def test_prometheus_metrics_are_exported(served_app: str) -> None:
+    """After chats with memory, the service's own metrics reach Ray's Prometheus endpoint."""
+    _post(f"{served_app}/v1/memories", {"user_id": "hana", "facts": ["Hana collects stamps."]})
+    chat = {"user": "hana", "messages": [{"role": "user", "content": "What do I collect?"}], "max_tokens": 4}
+    _post(f"{served_app}/v1/chat/completions", chat)
+    requests.get(f"{served_app}/v1/shards", timeout=60)
+    wanted = {"kvmem_ttft_seconds", "kvmem_requests_total", "kvmem_injected_tokens_total", "kvmem_facts_encoded_total", "kvmem_arena_bytes"}
+    deadline, seen = time.time() + 60, set()
+    while time.time() < deadline and seen != wanted:
+        text = requests.get(os.environ["KVMEM_TEST_METRICS_URL"], timeout=10).text
+        seen = {name for name in wanted if name in text}
+        time.sleep(2)
+    assert seen == wanted, f"missing metrics: {wanted - seen}"
+    lines = [line for line in text.splitlines() if "kvmem_arena_bytes" in line and 'tier="host"' in line and not line.startswith("#")]
+    assert lines and max(float(line.rsplit(" ", 1)[1]) for line in lines) > 0
