@@ -269,19 +269,37 @@ class MemoryShard:
             out.append(MemoryHit(hit.fact_id, state.text, float(hit.score), state.source_id))
         return out
 
-    def plan_chat(self, user_id: str, messages: Sequence[dict[str, str]], k: int | None = None, mode: str = "kv") -> ChatPlan:
+    def plan_chat(
+        self,
+        user_id: str,
+        messages: Sequence[dict[str, str]],
+        k: int | None = None,
+        mode: str = "kv",
+        max_prompt_tokens: int | None = None,
+    ) -> ChatPlan:
         """The prompt for a chat request with the user's top-k facts.
 
         mode "kv": facts with live KV are injected; "prompt": the same token ids, all prefilled
         (Mem0-style prompt injection); "none": the plain conversation, no memory.
+        max_prompt_tokens: the least relevant facts are left out until the prompt fits (the
+        caller rejects a conversation that does not fit even without memory).
         """
         if mode == "none":
             return ChatPlan(prompt_token_ids=self.layout.plain_prompt_ids(messages), mode=mode)
         k = self.settings.top_k if k is None else k
         query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         hits = self.search(user_id, query, k) if query else []
-        ordered = list(reversed(hits))  # least relevant first, most relevant next to the query
         suffix = self.layout.suffix_ids(messages)
+        if max_prompt_tokens is not None:
+            room = max_prompt_tokens - len(self.layout.prefix_ids) - len(suffix)
+            kept: list[MemoryHit] = []
+            for hit in hits:  # most relevant first
+                room -= len(self.facts[hit.fact_id].segment_ids)
+                if room < 0:
+                    break
+                kept.append(hit)
+            hits = kept
+        ordered = list(reversed(hits))  # least relevant first, most relevant next to the query
         if mode == "prompt" or self.prefix.ref is None:
             tokens = list(self.layout.prefix_ids)
             for hit in ordered:

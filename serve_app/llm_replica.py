@@ -116,18 +116,21 @@ class LLMReplica:
 
         self._ensure_driver()
         messages = [m.model_dump() for m in request.messages]
+        max_tokens = request.max_tokens or self.settings.default_max_tokens
+        limit = self.settings.engine.max_model_len
         plan = None
         if request.user and request.memory.mode != "none":
-            plan = await self._shard("plan_chat", request.user, messages, request.memory.top_k, request.memory.mode)
+            # facts that do not fit next to the conversation are left out, least relevant first
+            plan = await self._shard(
+                "plan_chat", request.user, messages, request.memory.top_k, request.memory.mode, limit - max_tokens
+            )
             prompt_ids = plan.prompt_token_ids
         else:
             prompt_ids = self.layout.plain_prompt_ids(messages)
-        max_tokens = request.max_tokens or self.settings.default_max_tokens
-        limit = self.settings.engine.max_model_len
         if len(prompt_ids) + max_tokens > limit:
             self.requests.inc(tags={"outcome": "rejected"})
             raise RequestRejected(
-                f"prompt of {len(prompt_ids)} tokens (memory included) plus max_tokens={max_tokens} exceeds the "
+                f"prompt of {len(prompt_ids)} tokens plus max_tokens={max_tokens} exceeds the "
                 f"context length of {limit} tokens"
             )
         extra = {"kv_transfer_params": plan.kv_transfer_params} if plan is not None and plan.kv_transfer_params else None

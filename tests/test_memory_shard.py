@@ -202,3 +202,21 @@ def test_ingest_locomo_shaped_conversation_with_windows(engine_factory, smollm2_
         assert np.isfinite(m.shard.stats()["host_bytes_used"])
     finally:
         m.close()
+
+
+def test_facts_that_do_not_fit_the_context_are_left_out_least_relevant_first(memory: Memory) -> None:
+    shard = memory.shard
+    memory.add("ivan", "Ivan's dog is named Rex.", "Ivan likes jazz music.", "Ivan was born in Kyiv.")
+    question = [{"role": "user", "content": "What is the name of my dog?"}]
+    full = shard.plan_chat("ivan", question, k=3)
+    assert len(full.facts) == 3 and full.facts[0].text == "Ivan's dog is named Rex."
+    top = shard.facts[full.facts[0].fact_id].segment_ids
+    budget = len(shard.layout.prefix_ids) + len(top) + len(shard.layout.suffix_ids(question))
+    for mode in ("kv", "prompt"):
+        fitted = shard.plan_chat("ivan", question, k=3, mode=mode, max_prompt_tokens=budget)
+        assert [f.fact_id for f in fitted.facts] == [full.facts[0].fact_id]
+        assert len(fitted.prompt_token_ids) == budget
+    bare = shard.plan_chat("ivan", question, k=3, max_prompt_tokens=budget - 1)
+    assert bare.facts == [] and len(bare.prompt_token_ids) == budget - len(top)
+    out = memory.run(bare)
+    assert out.num_cached_tokens == bare.injected_tokens == len(shard.layout.prefix_ids)
