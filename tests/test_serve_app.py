@@ -21,9 +21,11 @@ def served_app(redis_server, smollm2_dir):
 
     from serve_app.app import build_app
 
+    import shutil
     import tempfile
 
     port = free_loopback_port()
+    arena_dir = tempfile.mkdtemp(prefix="kvmem-e2e-", dir="/dev/shm")
     metrics_port = free_loopback_port()
     ray.init(
         num_cpus=2,
@@ -42,7 +44,7 @@ def served_app(redis_server, smollm2_dir):
         "namespace": "e2e",
         "memory": {
             "window_turns": 2,
-            "arena_dir": tempfile.mkdtemp(prefix="kvmem-e2e-", dir="/dev/shm"),
+            "arena_dir": arena_dir,
             "index": {"backend": "exact", "device": "cpu"},
         },
     }
@@ -50,6 +52,7 @@ def served_app(redis_server, smollm2_dir):
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+    shutil.rmtree(arena_dir, ignore_errors=True)
 
 
 def test_chat_completion_is_generated_by_smollm2(served_app: str) -> None:
