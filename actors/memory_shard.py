@@ -375,7 +375,13 @@ class MemoryShard:
                     self.queue.append(job.key)  # not captured (engine refused): retry
                 self.facts.pop(f"{job.key}@{job.job_id}", None)
                 continue
-            self.arena.commit(ref)
+            try:
+                self.arena.commit(ref)
+            except ArenaError as exc:  # released or reset underneath the capture: encode again
+                logger.warning("shard %d: %s not committed (%s); retrying", self.shard_id, job_id, exc)
+                state.encoding = None
+                self.queue.append(job.key)
+                continue
             state.ref, state.encoding = ref, None
             if job.key != PREFIX_KEY:
                 self.lru[job.key] = None

@@ -139,10 +139,11 @@ class KVMemoryConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.stats()
 
-    def drop_device_tier(self) -> int:
-        """Forget the HBM tier's pages (the host tier is authoritative): the next injections read host memory."""
+    def drop_device_tier(self, entry_ids: list[int] | None = None) -> int:
+        """Forget the HBM tier's pages (all, or those of `entry_ids`; the host tier is
+        authoritative): the next injections of them read host memory."""
         assert self._worker is not None
-        return self._worker.drop_device_tier()
+        return self._worker.drop_device_tier(entry_ids)
 
 
 # ===================================================================== scheduler side
@@ -290,7 +291,15 @@ class _SchedulerSide:
             if done >= capture.end:  # the captured range is in the cache after this step
                 plan.captured = True
                 positions = np.arange(capture.start, capture.end, dtype=np.int64)
-                metadata.captures.append(CaptureOp(req_id, self._cache_slots(plan, positions), capture.view.token_slots))
+                metadata.captures.append(
+                    CaptureOp(
+                        req_id,
+                        self._cache_slots(plan, positions),
+                        capture.view.token_slots,
+                        capture.view.entry_id,
+                        capture.view.generation,
+                    )
+                )
 
     def _cache_slots(self, plan: _RequestPlan, positions: np.ndarray) -> np.ndarray:
         blocks = np.asarray(plan.block_ids, dtype=np.int64)
@@ -411,10 +420,15 @@ class _WorkerSide:
             self.gpu.join()
 
     def capture(self, metadata: KVMemoryConnectorMetadata) -> None:
-        if not metadata.captures:
+        # An entry released (and perhaps re-allocated) since the scheduler planned the capture,
+        # e.g. by a restarted shard, is not written: its pages may belong to another fact now.
+        ops = [op for op in metadata.captures if self.arena.writing_view(op.entry, op.generation) is not None]
+        if len(ops) < len(metadata.captures):
+            logger.warning("skipped %d capture(s) whose entry is no longer being written", len(metadata.captures) - len(ops))
+        if not ops:
             return
-        cache_slots_np = np.concatenate([op.cache_slots for op in metadata.captures])
-        arena_slots_np = np.concatenate([op.arena_slots for op in metadata.captures])
+        cache_slots_np = np.concatenate([op.cache_slots for op in ops])
+        arena_slots_np = np.concatenate([op.arena_slots for op in ops])
         if self.gpu is not None:
             self.gpu.capture(cache_slots_np, arena_slots_np)
             return
@@ -435,8 +449,8 @@ class _WorkerSide:
             out["host_pinned"] = self.gpu.host is not None
         return out
 
-    def drop_device_tier(self) -> int:
-        return self.gpu.drop_device_tier() if self.gpu is not None else 0
+    def drop_device_tier(self, entry_ids: list[int] | None = None) -> int:
+        return self.gpu.drop_device_tier(entry_ids) if self.gpu is not None else 0
 
 
 FLASH_LAYOUT_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")  # (num_blocks, 2, block_size, kv_heads, head_size)

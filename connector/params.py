@@ -70,6 +70,8 @@ class CaptureOp:
     req_id: str
     cache_slots: np.ndarray
     arena_slots: np.ndarray
+    entry: int = -1  # the target entry and generation: the worker writes only while it is still
+    generation: int = 0  # WRITING (its owner may have released and re-allocated it meanwhile)
 
 
 @dataclass

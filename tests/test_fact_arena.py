@@ -6,6 +6,7 @@ import multiprocessing as mp
 
 import numpy as np
 import pytest
+import torch
 
 from connector.fact_arena import ArenaError, ArenaFull, ArenaGeometry, FactArena
 
@@ -87,3 +88,22 @@ def test_open_checks_geometry(tmp_path) -> None:
         FactArena.create(tmp_path / "a", ArenaGeometry(num_layers=3, num_kv_heads=2, head_size=32, dtype="float32"), exist_ok=True)
     with pytest.raises(ArenaError):
         FactArena.open(tmp_path / "missing")
+
+
+def test_worker_skips_a_capture_whose_entry_was_released_and_reallocated(tmp_path) -> None:
+    """A capture planned for (entry, generation) must not write once the owner (say, a restarted
+    shard) released that entry and gave its pages to another fact."""
+    from connector.kv_memory_connector import _WorkerSide
+    from connector.params import CaptureOp, KVMemoryConnectorMetadata
+
+    arena = FactArena.create(tmp_path / "arena", ArenaGeometry(num_layers=1, num_kv_heads=1, head_size=4, dtype="float32", page_tokens=4, num_pages=4, max_entries=4))
+    stale = arena.allocate([1, 2, 3], encode_start=0)
+    arena.release(stale)
+    fresh = arena.allocate([7, 8, 9], encode_start=0)
+    assert fresh.entry_id == stale.entry_id and fresh.generation == stale.generation + 1
+    view = arena.writing_view(fresh.entry_id, fresh.generation)
+    arena.kv[0, view.token_slots] = 5.0
+    worker = _WorkerSide(arena, repositioner=None)
+    op = CaptureOp("req", np.arange(3), view.token_slots, stale.entry_id, stale.generation)
+    worker.capture(KVMemoryConnectorMetadata(captures=[op]))  # would need a paged cache if it wrote
+    assert torch.equal(arena.kv[0, view.token_slots], torch.full((3, 2, 1, 4), 5.0))
