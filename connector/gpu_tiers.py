@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -177,6 +178,16 @@ class DeviceTierMap:
         self.last_use[slots] = self.clock
         return out, evicted
 
+    def drop_pages(self, pages: np.ndarray) -> np.ndarray:
+        """Forget these pages where resident; returns those that were."""
+        pages = np.asarray(pages, dtype=np.int64)
+        resident = pages[self.page_slot[pages] >= 0] if self.capacity else np.empty(0, dtype=np.int64)
+        slots = self.page_slot[resident]
+        self.slot_page[slots] = -1
+        self.slot_tag[slots] = -1
+        self.page_slot[resident] = -1
+        return resident
+
     def drop_all(self) -> np.ndarray:
         """Forget every resident page; returns the pages that were resident."""
         pages = self.slot_page[self.slot_page >= 0].copy()
@@ -213,6 +224,7 @@ class InjectorStats:
     evicted_pages: int = 0
     captured_tokens: int = 0
     unwaited_groups: int = 0
+    inject_cpu_s: float = 0.0  # host time spent issuing injection work (start_load_kv)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -332,6 +344,13 @@ class GpuInjector:
     def inject(self, arena_slots: np.ndarray, cache_slots: np.ndarray, distances: np.ndarray, layerwise: bool) -> None:
         if len(arena_slots) == 0:
             return
+        started = time.perf_counter()
+        try:
+            self._inject_step(arena_slots, cache_slots, distances, layerwise)
+        finally:
+            self.stats.inject_cpu_s += time.perf_counter() - started
+
+    def _inject_step(self, arena_slots: np.ndarray, cache_slots: np.ndarray, distances: np.ndarray, layerwise: bool) -> None:
         if int(np.abs(distances).max()) > self.max_distance:
             raise ValueError(f"position distance beyond the rotary table ({self.max_distance})")
         self.join()
@@ -473,9 +492,12 @@ class GpuInjector:
         if self.on_cuda:
             torch.cuda.current_stream(self.device).synchronize()  # the owner commits once generate returns
 
-    def drop_device_tier(self) -> int:
-        """Forget every HBM-resident page (the host tier is authoritative); returns how many."""
+    def drop_device_tier(self, entry_ids: list[int] | None = None) -> int:
+        """Forget HBM-resident pages (all, or those of `entry_ids`): the host tier is authoritative."""
         self.join()
-        pages = self.tier_map.drop_all()
+        if entry_ids is None:
+            pages = self.tier_map.drop_all()
+        else:
+            pages = self.tier_map.drop_pages(np.flatnonzero(np.isin(self.arena.page_owner, np.asarray(entry_ids, dtype=np.int32))))
         self._publish(pages, np.full(len(pages), -1))
         return len(pages)

@@ -82,7 +82,8 @@ def test_tier_map_tags_promotion_and_lru() -> None:
     # no eviction allowed: no slot
     none, _ = tier.assign(np.array([8]), np.array([3]), np.array([1]), protected=np.empty(0, dtype=np.int64), evict=False)
     assert none[0] == -1
-    assert sorted(tier.drop_all().tolist()) == [1, 3, 7] and tier.resident_pages() == 0
+    assert tier.drop_pages(np.array([3, 4])).tolist() == [3] and tier.page_slot[3] == -1
+    assert sorted(tier.drop_all().tolist()) == [1, 7] and tier.resident_pages() == 0
 
 
 def test_tier_map_with_no_capacity() -> None:
