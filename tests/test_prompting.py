@@ -1,0 +1,49 @@
+"""Prompt layout (SmolLM2's chat template) and extraction parsing; no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.extraction import parse_facts
+from actors.fact_store import Turn
+from actors.prompting import PromptLayout, extraction_schema
+
+
+@pytest.fixture(scope="module")
+def layout(smollm2_dir) -> PromptLayout:
+    from transformers import AutoTokenizer
+
+    return PromptLayout(AutoTokenizer.from_pretrained(smollm2_dir))
+
+
+def test_served_prompt_is_the_chat_template_with_the_facts_in_the_system_message(layout: PromptLayout) -> None:
+    facts = ["Ann has a cat.", "Ann lives in Oslo."]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where do I live?"}]
+    ids = layout.prefix_ids + [t for f in facts for t in layout.fact_ids(f)] + layout.suffix_ids(messages)
+    memory = "".join(f"- {f}\n" for f in facts)
+    expected = layout.tokenizer.apply_chat_template(
+        [{"role": "system", "content": layout.instruction + memory + "\nBe brief."}, messages[1]],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert layout.tokenizer.decode(ids) == expected
+    # the prefix does not depend on the conversation: it is captured once and injected
+    assert layout.suffix_ids([{"role": "user", "content": "hi"}]) != layout.suffix_ids(messages)
+
+
+def test_encode_prompt_puts_the_window_between_prefix_and_fact(layout: PromptLayout) -> None:
+    window = [Turn(turn_id="D1:1", speaker="Ann", text="I got a kitten!", order=0)]
+    prompt = layout.encode_prompt("Ann has a cat.", window)
+    assert prompt.token_ids[: len(layout.prefix_ids)] == layout.prefix_ids
+    assert prompt.token_ids[prompt.start :] == layout.fact_ids("Ann has a cat.") and prompt.length == len(layout.fact_ids("Ann has a cat."))
+    assert "Ann: I got a kitten!" in layout.tokenizer.decode(prompt.token_ids[len(layout.prefix_ids) : prompt.start])
+    assert layout.encode_prompt("Ann has a cat.", []).start == len(layout.prefix_ids)
+
+
+def test_extraction_answers_are_parsed_and_capped() -> None:
+    assert extraction_schema(5)["properties"]["facts"]["maxItems"] == 5
+    assert parse_facts('{"facts": ["A likes tea.", " A likes tea. ", "", "B runs."]}', 5) == ["A likes tea.", "B runs."]
+    assert parse_facts('{"facts": ["1", "2", "3", "4", "5", "6"]}', 5) == ["1", "2", "3", "4", "5"]
+    assert parse_facts('{"facts": ["cut off', 5) == []  # truncated at max_tokens
+    assert parse_facts('["not", "an object"]', 5) == []
+    assert parse_facts('{"facts": [1, null, "ok"]}', 5) == ["ok"]
