@@ -502,6 +502,10 @@ def merge(out: Path) -> dict:
         "bf16_identical_share": eq.get("identical_share_hbm"),
         "bf16_identical_share_host": eq.get("identical_share_host"),
         "bf16_max_first_token_logprob_gap": eq.get("max_first_token_logprob_gap_hbm"),
+        # control: vLLM's own prefix cache (KV from its own prefill, query-only prefill) vs a cold prefill
+        "bf16_control_prefix_cache_identical_share": eq.get("control_identical_share_prefix_cached"),
+        "bf16_control_prefix_cache_max_gap": eq.get("control_max_gap_prefix_cached"),
+        "bf16_control_cold_vs_cold_identical_share": eq.get("control_identical_share_cold_vs_plain"),
         "ttft_ms_none_per_k": {k: v for k, v in detail.get("none", {}).items() if not k.startswith("_")},
         "ttft_p90_ms": {m: detail.get(m, {}).get("_p90") for m in detail},
         "setup": {

@@ -322,14 +322,19 @@ class GpuInjector:
         return full
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """One host->device copy for several int64 arrays; returns device views."""
-        packed = np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]) if arrays else np.empty(0, np.int64)
-        device = torch.from_numpy(packed).to(self.device, non_blocking=True)
-        out, offset = [], 0
+        """One host->device copy for several int64 arrays; returns device views.
+
+        Each view starts 16-byte aligned: Triton specialises pointer arguments on 16-byte
+        alignment, so a view at an odd int64 offset would compile another kernel variant."""
+        starts, offset = [], 0
         for a in arrays:
-            out.append(device[offset : offset + len(a)])
-            offset += len(a)
-        return out
+            starts.append(offset)
+            offset += len(a) + (len(a) & 1)
+        packed = np.zeros(offset, dtype=np.int64)
+        for start, a in zip(starts, arrays):
+            packed[start : start + len(a)] = a
+        device = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        return [device[start : start + len(a)] for start, a in zip(starts, arrays)]
 
     def _ensure_staging(self, rows: int) -> torch.Tensor:
         if self.staging.shape[1] < rows:

@@ -223,11 +223,17 @@ class _SchedulerSide:
                 self._fallback(request, f"entry {placement.entry} gen {placement.generation} is unknown, stale or freed")
                 return []
         pinned = [_Placement(view, placement.start) for placement, view in zip(params.inject, views)]
-        for p in pinned:
-            if p.end > len(prompt) or not np.array_equal(self.arena.entry_token_ids(p.view), prompt[p.start : p.end]):
-                self.arena.unpin_many([(q.view.entry_id, q.view.generation) for q in pinned])
-                self._fallback(request, f"entry {p.view.entry_id} tokens do not match prompt positions {p.start}..")
-                return []
+        # all entries' tokens against the prompt in one comparison (per-entry checks cost ~20 us each)
+        positions = np.concatenate([np.arange(p.start, p.end, dtype=np.int64) for p in pinned])
+        slots = np.concatenate([p.view.token_slots for p in pinned])
+        inside = positions < len(prompt)
+        equal = np.zeros(len(positions), dtype=bool)
+        equal[inside] = self.arena.token_ids[slots[inside]] == prompt[positions[inside]]
+        if not equal.all():
+            bad = int(np.searchsorted(np.cumsum([p.view.n_tokens for p in pinned]), int(np.flatnonzero(~equal)[0]), side="right"))
+            self.arena.unpin_many([(q.view.entry_id, q.view.generation) for q in pinned])
+            self._fallback(request, f"entry {pinned[bad].view.entry_id} tokens do not match prompt positions {pinned[bad].start}..")
+            return []
         return sorted(pinned, key=lambda p: p.start)
 
     def _fallback(self, request: "Request", reason: str) -> None:
@@ -310,8 +316,8 @@ class _SchedulerSide:
         plan = self.plans.pop(request.request_id, None)
         if plan is None:
             return None
-        for placement in plan.injects:
-            self.arena.unpin(placement.view.entry_id, placement.view.generation)
+        if plan.injects:  # one lock for all
+            self.arena.unpin_many([(p.view.entry_id, p.view.generation) for p in plan.injects])
         return {PARAMS_KEY: {"captured": plan.captured}}
 
 
