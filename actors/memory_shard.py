@@ -117,7 +117,12 @@ class MemoryShard:
         self.settings = settings
         self.store = FactStore.from_url(redis_url, settings.redis_prefix)
         self.layout = PromptLayout(AutoTokenizer.from_pretrained(model_dir), settings.instruction)
-        self.embedder = Embedder(settings.embedding_model)
+        embed_device = settings.embedding_device
+        if embed_device == "auto":
+            import torch
+
+            embed_device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.embedder = Embedder(settings.embedding_model, device=embed_device)
         self.index = build_index(settings.index, self.embedder.dim)
         geometry = arena_geometry_for(model_dir, kv_dtype, **settings.arena.model_dump(exclude={"device_pages"}))
         self._arena_path = Path(settings.arena_dir) / f"kvmem-{namespace}-shard{shard_id}"

@@ -32,5 +32,6 @@ class MemorySettings(BaseModel):
     arena: ArenaCapacity = Field(default_factory=ArenaCapacity)
     index: IndexSettings = Field(default_factory=IndexSettings)
     embedding_model: str | None = Field(None, description="sentence-transformers folder; default all-MiniLM-L6-v2.")
+    embedding_device: str = Field("auto", description="Device of the embedding model: auto (cuda when the shard has a GPU), cpu, cuda.")
     encode_batch: int = Field(32, gt=0, description="Most encode (capture) requests sent to the engine at once.")
     encode_timeout_s: float = Field(300.0, gt=0, description="An encode job not reported back by then is retried.")

@@ -71,7 +71,7 @@ class LLMReplica:
         self.layout = PromptLayout(self.tokenizer, settings.memory.instruction)
         kv_dtype = "bfloat16" if settings.engine.dtype == "auto" else settings.engine.dtype  # SmolLM2/Llama: bf16
         self.shard = start_shard_actor(
-            shard_id, settings.memory, model, kv_dtype, settings.redis_url, settings.namespace,
+            shard_id, settings.memory, model, kv_dtype, settings.redis_url, settings.namespace, settings.shard_num_gpus
         )
         arena_path = ray.get(self.shard.arena_path.remote())
         connector = kv_transfer_config(arena_path, device_pages=settings.memory.arena.device_pages)

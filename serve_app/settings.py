@@ -61,6 +61,12 @@ class ServiceSettings(BaseSettings):
     )
     llm_replica_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per LLM replica.")
     llm_replica_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per LLM replica (fractional allowed).")
+    shard_num_gpus: float = Field(
+        0.0,
+        ge=0,
+        description="Ray GPUs per memory shard actor. A fraction beside the replica's (0.9 + 0.1) puts the shard's "
+        "index and embedder on the replica's GPU; 0 keeps them on the CPU.",
+    )
 
     @classmethod
     def settings_customise_sources(

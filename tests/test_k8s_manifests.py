@@ -160,7 +160,7 @@ def test_rayservice_runs_the_config_yaml_application_on_gpus(clean_env: None) ->
     assert cluster.http_options.host == "0.0.0.0", "Serve must listen on the pod address, not loopback"
     settings = ServiceSettings.from_args(app.args)
     assert settings.engine.dtype == "bfloat16"
-    assert settings.llm_replica_num_gpus == 1
+    assert settings.llm_replica_num_gpus + settings.shard_num_gpus == 1  # engine and shard share each GPU
     assert settings.redis_url is None, "the Redis address comes from REDIS_URL in the containers"
 
 
@@ -172,7 +172,7 @@ def test_gpu_workers_fit_the_llm_replicas(rayservice: dict[str, Any], clean_env:
         for group in workers
         for container in group["template"]["spec"]["containers"]
     )
-    assert gpus >= settings.llm_replicas * settings.llm_replica_num_gpus
+    assert gpus >= settings.llm_replicas * (settings.llm_replica_num_gpus + settings.shard_num_gpus)
 
 
 def test_containers_are_offline_and_point_at_the_redis_service(rayservice: dict[str, Any]) -> None:
