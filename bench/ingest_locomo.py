@@ -55,9 +55,9 @@ def observation_facts(sample: dict[str, Any]) -> list[NewFact]:
         when = conv.get(f"session_{_session_index(key)}_date_time")
         for items in by_speaker.values():
             for text, source in items:
-                if isinstance(source, list):
-                    source = source[0] if source else None
-                facts.append(NewFact(text=text, source_id=source, session_time=when))
+                # a source is a dia_id, a list of them, or (a few) several in one string: the first
+                ids = re.findall(r"D\d+:\d+", " ".join(source) if isinstance(source, list) else str(source))
+                facts.append(NewFact(text=text, source_id=ids[0] if ids else None, session_time=when))
     return facts
 
 
