@@ -18,9 +18,10 @@ Routes (OpenAI chat completions plus Mem0-style memory operations):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Query
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -82,12 +83,26 @@ class ChatAPI:
             raise
 
     # ------------------------------------------------------------------ chat
-    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-    async def chat_completions(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
-        if request.stream:
-            raise HTTPException(status_code=400, detail="stream=true is not supported yet")
+    @api.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(self, request: ChatCompletionRequest) -> ChatCompletionResponse | StreamingResponse:
         replica = self._replica_of_user(request.user) if request.user else self.replicas[0]
-        return await self._call(replica, "chat", request)
+        if not request.stream:
+            return await self._call(replica, "chat", request)
+        events = replica.options(stream=True).chat_stream.remote(request)
+        try:  # a rejected request fails on its first event: answer it with a status, not a stream
+            first = await events.__anext__()
+        except Exception as exc:
+            error = _http_error(exc)
+            if error is not None:
+                raise error from exc
+            raise
+
+        async def relay() -> AsyncIterator[str]:
+            yield first
+            async for event in events:
+                yield event
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
 
     # ------------------------------------------------------------------ memory
     @api.post("/v1/memories")

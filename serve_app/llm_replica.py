@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator
 
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -27,7 +27,10 @@ from serve_app.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatCompletionChunk,
     ChatMessage,
+    ChunkChoice,
+    ChunkDelta,
     MemoryUsage,
     NotFound,
     RequestRejected,
@@ -110,7 +113,10 @@ class LLMReplica:
             raise
 
     # ------------------------------------------------------------------ chat
-    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
+    async def _run(self, request: ChatCompletionRequest) -> AsyncIterator[tuple[Any, list[int], Any]]:
+        """Plan (memory, context check) and run one chat request; yields (engine output,
+        prompt ids, memory plan) as the engine produces tokens. Raises RequestRejected before
+        the engine sees anything."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -149,19 +155,29 @@ class LLMReplica:
                 first_token_at = time.perf_counter()
                 self.ttft.observe(first_token_at - start, tags={"mode": mode})
             final = output
+            yield output, prompt_ids, plan
         assert final is not None, "engine returned no output"
-        completion = final.outputs[0]
         self.requests.inc(tags={"outcome": "ok"})
-        _count(self.generated_tokens, len(completion.token_ids))
-        memory = None
+        _count(self.generated_tokens, len(final.outputs[0].token_ids))
         if plan is not None:
             _count(self.injected_tokens, plan.injected_tokens)
-            memory = MemoryUsage(
-                mode=mode,
-                fact_ids=[f.fact_id for f in plan.facts],
-                injected_tokens=plan.injected_tokens,
-                cached_tokens=final.num_cached_tokens or 0,
-            )
+
+    @staticmethod
+    def _memory_usage(plan: Any, output: Any) -> MemoryUsage | None:
+        if plan is None:
+            return None
+        return MemoryUsage(
+            mode=plan.mode,
+            fact_ids=[f.fact_id for f in plan.facts],
+            injected_tokens=plan.injected_tokens,
+            cached_tokens=output.num_cached_tokens or 0,
+        )
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
+        final = prompt_ids = plan = None
+        async for final, prompt_ids, plan in self._run(request):
+            pass
+        completion = final.outputs[0]
         return ChatCompletionResponse(
             model=self.settings.served_model_name,
             choices=[ChatChoice(message=ChatMessage(role="assistant", content=completion.text), finish_reason=completion.finish_reason)],
@@ -170,8 +186,42 @@ class LLMReplica:
                 completion_tokens=len(completion.token_ids),
                 total_tokens=len(prompt_ids) + len(completion.token_ids),
             ),
-            memory=memory,
+            memory=self._memory_usage(plan, final),
         )
+
+    async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
+        """Server-sent events in OpenAI's chat.completion.chunk format, then `data: [DONE]`.
+        The last chunk carries the finish reason, usage and memory report."""
+        chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
+        sent = 0
+        first = True
+        async for output, prompt_ids, plan in self._run(request):
+            completion = output.outputs[0]
+            delta = completion.text[sent:]
+            sent = len(completion.text)
+            done = output.finished
+            if not delta and not done and not first:
+                continue
+            chunk = ChatCompletionChunk(
+                id=chunk_id,
+                model=self.settings.served_model_name,
+                choices=[
+                    ChunkChoice(
+                        delta=ChunkDelta(role="assistant" if first else None, content=delta or None),
+                        finish_reason=completion.finish_reason if done else None,
+                    )
+                ],
+            )
+            first = False
+            if done:
+                chunk.usage = Usage(
+                    prompt_tokens=len(prompt_ids),
+                    completion_tokens=len(completion.token_ids),
+                    total_tokens=len(prompt_ids) + len(completion.token_ids),
+                )
+                chunk.memory = self._memory_usage(plan, output)
+            yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ memory operations
     async def add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:

@@ -37,7 +37,7 @@ class ChatCompletionRequest(BaseModel):
     temperature: float = Field(0.0, ge=0, le=2, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = None
-    stream: bool = Field(False, description="Streaming is not served yet; true is rejected with 400.")
+    stream: bool = Field(False, description="Stream server-sent events of chat.completion.chunk objects.")
     memory: MemoryOptions = Field(
         default_factory=MemoryOptions, description="Memory use; applies when `user` is set."
     )
@@ -71,6 +71,29 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    memory: MemoryUsage | None = None
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (the last one carries usage and memory)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
     memory: MemoryUsage | None = None
 
 

@@ -81,8 +81,9 @@ def test_bad_requests_get_clear_errors_and_the_engine_survives(served_app: str) 
     malformed = {"messages": [{"role": "robot", "content": "hi"}]}
     assert requests.post(f"{served_app}/v1/chat/completions", json=malformed, timeout=60).status_code == 422
     assert requests.post(f"{served_app}/v1/chat/completions", json={"messages": []}, timeout=60).status_code == 422
-    streamed = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
-    assert requests.post(f"{served_app}/v1/chat/completions", json=streamed, timeout=60).status_code == 400
+    streamed_too_long = {**too_long, "stream": True}
+    response = requests.post(f"{served_app}/v1/chat/completions", json=streamed_too_long, timeout=60)
+    assert response.status_code == 400 and "exceeds the context length" in response.json()["detail"]
 
     ok = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
     assert requests.post(f"{served_app}/v1/chat/completions", json=ok, timeout=300).status_code == 200
@@ -168,3 +169,24 @@ def test_prometheus_metrics_are_exported(served_app: str) -> None:
     assert seen == wanted, f"missing metrics: {wanted - seen}"
     lines = [line for line in text.splitlines() if "kvmem_arena_bytes" in line and 'tier="host"' in line and not line.startswith("#")]
     assert lines and max(float(line.rsplit(" ", 1)[1]) for line in lines) > 0
+
+
+def test_streamed_chat_equals_the_whole_answer(served_app: str) -> None:
+    import json
+
+    _post(f"{served_app}/v1/memories", {"user_id": "ines", "facts": ["Ines plays the oboe in an orchestra."]})
+    body = {"user": "ines", "messages": [{"role": "user", "content": "Which instrument do I play?"}], "max_tokens": 20}
+    whole = _post(f"{served_app}/v1/chat/completions", body)
+    with requests.post(f"{served_app}/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=300) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]  # greedy: the same tokens
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert last["usage"] == whole["usage"]
+    assert last["memory"]["fact_ids"] == whole["memory"]["fact_ids"] and last["memory"]["injected_tokens"] > 0
