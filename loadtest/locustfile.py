@@ -5,9 +5,10 @@ Each chat request carries a `user` id drawn from a pool of KVMEM_LOADTEST_USERS 
 a small built-in list. Each simulated client first gives its user a memory (KVMEM_LOADTEST_FACTS
 facts, default 20, through POST /v1/memories; re-adding is idempotent), and chats with
 memory mode KVMEM_LOADTEST_MEMORY_MODE (kv, prompt or none; default kv), so the same run can
-be repeated per mode and compared. Responses are not streamed, so Locust's response time is the whole
-completion time (no time to first token). A request counts as failed unless it answers 200
-with a non-empty assistant message.
+be repeated per mode and compared. Chat responses are streamed (server-sent events): besides
+the POST row (time to the response headers), Locust reports the time to the first content
+chunk ("TTFT chat") and to the end of the stream ("COMPLETE chat") as rows of their own. A request counts as failed unless it answers 200 with a well-formed
+stream ending in [DONE] and a non-empty assistant message.
 
     mkdir -p bench/results
     .venv/bin/locust -f loadtest/locustfile.py --headless -u 10 -r 2 -t 60s \\
@@ -21,7 +22,8 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Any
+import time
+from typing import Any, Iterable
 
 from locust import HttpUser, between, task
 
@@ -70,18 +72,30 @@ def chat_body(user: str, question: str, max_tokens: int = MAX_TOKENS, memory_mod
         "temperature": 0.0,
         "user": user,
         "memory": {"mode": memory_mode},
+        "stream": True,
     }
 
 
-def completion_problem(status_code: int, text: str) -> str | None:
-    """Why a chat-completions response counts as failed, or None when it is a good answer."""
+def stream_problem(status_code: int, lines: Iterable[str], error: str = "") -> str | None:
+    """Why a streamed chat completion counts as failed, or None when it is a good answer.
+    `lines` are the response's text lines (server-sent events)."""
     if status_code != 200:
-        return f"HTTP {status_code}: {text[:200]}"
-    try:
-        content = json.loads(text)["choices"][0]["message"]["content"]
-    except (ValueError, LookupError, TypeError) as exc:
-        return f"malformed completion ({exc!r}): {text[:200]}"
-    if not isinstance(content, str) or not content.strip():
+        return f"HTTP {status_code}: {' '.join(lines)[:200] or error}"
+    content, done = [], False
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: ") :]
+        if data == "[DONE]":
+            done = True
+            break
+        try:
+            content.append(json.loads(data)["choices"][0]["delta"].get("content") or "")
+        except (ValueError, LookupError, TypeError, AttributeError) as exc:
+            return f"malformed chunk ({exc!r}): {data[:200]}"
+    if not done:
+        return "stream ended without [DONE]"
+    if not "".join(content).strip():
         return "empty completion"
     return None
 
@@ -105,14 +119,27 @@ class ChatUser(HttpUser):
     @task(10)
     def chat(self) -> None:
         body = chat_body(self.user_id, random.choice(QUESTIONS), memory_mode=MEMORY_MODE)
-        with self.client.post("/v1/chat/completions", json=body, name="chat", catch_response=True) as response:
+        started = time.perf_counter()
+        with self.client.post("/v1/chat/completions", json=body, name="chat", stream=True, catch_response=True) as response:
+            lines: list[str] = []
+            first_content_at = None
+            if response.status_code == 200:
+                for line in response.iter_lines(decode_unicode=True):
+                    lines.append(line)
+                    if first_content_at is None and '"content"' in line:
+                        first_content_at = time.perf_counter()
             # On a connection error the status is 0, the text empty and the cause in `error`.
-            text = response.text or str(getattr(response, "error", "") or "")
-            problem = completion_problem(response.status_code, text)
+            problem = stream_problem(response.status_code, lines or [response.text or ""], str(getattr(response, "error", "") or ""))
             if problem:
                 response.failure(problem)
-            else:
-                response.success()
+                return
+            response.success()
+        finished = time.perf_counter()
+        for kind, at in (("TTFT", first_content_at), ("COMPLETE", finished)):
+            if at is not None:
+                self.environment.events.request.fire(
+                    request_type=kind, name="chat", response_time=(at - started) * 1000, response_length=0, exception=None, context={}
+                )
 
     @task(1)
     def health(self) -> None:

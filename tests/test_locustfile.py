@@ -22,15 +22,20 @@ from serve_app.protocol import AddMemoryRequest, ChatCompletionRequest
 REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "loadtest/locustfile.py"
 POOL_SIZE = 5
-GOOD_COMPLETION = json.dumps({"choices": [{"message": {"role": "assistant", "content": "Paris."}}]})
-EMPTY_COMPLETION = json.dumps({"choices": [{"message": {"role": "assistant", "content": "  "}}]})
+def _event(content: str | None, role: str | None = None) -> str:
+    delta = {k: v for k, v in {"role": role, "content": content}.items() if v is not None}
+    return "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]})
+
+
+GOOD_STREAM = [_event("", "assistant"), "", _event("Paris"), "", _event("."), "", "data: [DONE]"]
 RESPONSES = {
-    "good": (200, GOOD_COMPLETION),
-    "empty": (200, EMPTY_COMPLETION),
-    "no_choices": (200, json.dumps({"choices": []})),
-    "not_json": (200, "<html>oops</html>"),
-    "server_error": (500, GOOD_COMPLETION),
-    "no_connection": (0, ""),
+    "good": (200, GOOD_STREAM),
+    "empty": (200, [_event(None, "assistant"), _event("  "), "data: [DONE]"]),
+    "no_done": (200, GOOD_STREAM[:-1]),
+    "no_choices": (200, ['data: {"choices": []}', "data: [DONE]"]),
+    "not_json": (200, ["data: <html>oops</html>", "data: [DONE]"]),
+    "server_error": (500, GOOD_STREAM),
+    "no_connection": (0, [""]),
 }
 
 # Runs in the subprocess: import the locustfile the way `locust -f` does (by path) and report.
@@ -48,7 +53,7 @@ print(json.dumps({
     "bodies": [
         [user, question, module.chat_body(user, question)] for user in module.USERS for question in module.QUESTIONS
     ],
-    "problems": {name: module.completion_problem(*response) for name, response in responses.items()},
+    "problems": {name: module.stream_problem(*response) for name, response in responses.items()},
     "facts": module.memory_facts(module.USERS[0], 12),
     "memory_mode": module.MEMORY_MODE,
 }))
@@ -84,7 +89,7 @@ def test_request_bodies_are_valid_chat_completion_requests(probe: dict[str, Any]
         request = ChatCompletionRequest.model_validate(body)
         assert request.user == user
         assert [(m.role, m.content) for m in request.messages] == [("user", question)]
-        assert request.max_tokens and not request.stream
+        assert request.max_tokens and request.stream  # streamed: Locust reports time to first token
         assert request.memory.mode == probe["memory_mode"] == "kv"
 
 
@@ -94,7 +99,7 @@ def test_each_user_is_seeded_with_distinct_facts(probe: dict[str, Any]) -> None:
     AddMemoryRequest(user_id=probe["users"][0], facts=facts)
 
 
-def test_only_a_200_with_non_empty_content_counts_as_success(probe: dict[str, Any]) -> None:
+def test_only_a_200_stream_with_content_and_done_counts_as_success(probe: dict[str, Any]) -> None:
     problems = probe["problems"]
     assert problems.pop("good") is None
     assert all(problems.values()), problems
