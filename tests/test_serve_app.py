@@ -190,3 +190,33 @@ def test_streamed_chat_equals_the_whole_answer(served_app: str) -> None:
     assert last["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert last["usage"] == whole["usage"]
     assert last["memory"]["fact_ids"] == whole["memory"]["fact_ids"] and last["memory"]["injected_tokens"] > 0
+
+
+def test_concurrent_users_on_two_shards_only_ever_see_their_own_memory(served_app: str, redis_server) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from actors.fact_store import FactStore
+
+    users = [f"conc-{i}" for i in range(6)]
+    pets = ["parrot", "hamster", "iguana", "rabbit", "tortoise", "ferret"]
+
+    def add(i: int) -> set[str]:
+        body = {"user_id": users[i], "facts": [f"My pet is a {pets[i]}.", f"I was born in city number {i}."]}
+        return {r["id"] for r in _post(f"{served_app}/v1/memories", body)["results"]}
+
+    def chat(i: int) -> dict:
+        body = {"user": users[i], "messages": [{"role": "user", "content": "What pet do I have?"}], "max_tokens": 4}
+        return _post(f"{served_app}/v1/chat/completions", body)
+
+    with ThreadPoolExecutor(6) as pool:
+        own = list(pool.map(add, range(6)))
+        answers = list(pool.map(chat, list(range(6)) * 2))
+    assert all(len(ids) == 2 for ids in own) and len(set().union(*own)) == 12
+    for n, answer in enumerate(answers):
+        i = n % 6
+        assert set(answer["memory"]["fact_ids"]) == own[i]  # all of theirs, nothing of anyone else's
+        assert answer["memory"]["cached_tokens"] >= answer["memory"]["injected_tokens"] > 0
+    shards = requests.get(f"{served_app}/v1/shards", timeout=60).json()["results"]
+    assert all(s["pending_encodes"] == 0 for s in shards)
+    store = FactStore.from_url(redis_server.url)
+    assert {store.shard_of(u, 2) for u in users} == {0, 1}  # both shards served some of them
