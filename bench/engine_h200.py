@@ -313,7 +313,10 @@ def part_engine8b(args) -> dict:
         sp = _sampling(1, params)
         start = time.perf_counter()
         (o,) = llm.generate([_prompt(ids, salt)], sp, use_tqdm=False)
-        return time.perf_counter() - start, o.num_cached_tokens or 0, memory_end
+        seconds = time.perf_counter() - start
+        report = (getattr(o, "kv_transfer_params", None) or {}).get("kvmem") or {}
+        scheduler_us[(k, mode)].append(float(report.get("scheduler_us", 0.0)))
+        return seconds, o.num_cached_tokens or 0, memory_end
 
     def warm_pool() -> None:
         """Inject every pool fact once, so that all are resident in the HBM tier again."""
@@ -330,6 +333,8 @@ def part_engine8b(args) -> dict:
     modes = ("none", "prompt", "kv_hbm", "kv_host")
     cells = [(k, m) for k in args.k for m in modes]
     times: dict = {cell: [] for cell in cells}
+    scheduler_us: dict = {cell: [] for cell in cells}  # connector scheduler-side host time per request
+    steps_before = llm.collective_rpc(_rpc_stats)[0]
     bad: dict = {cell: 0 for cell in cells}
     qi = 0
     for round_ in range(args.requests + args.warmup):
@@ -349,10 +354,21 @@ def part_engine8b(args) -> dict:
     for k in args.k:
         print(f"k={k}: " + ", ".join(f"{m} {ttft[m][str(k)]:.2f} ms" for m in modes), flush=True)
     result["ttft_ms_detail"] = ttft
+    result["scheduler_us_median"] = {
+        m: {str(k): round(float(np.median(scheduler_us[(k, m)])), 1) for k in args.k} for m in ("kv_hbm", "kv_host")
+    }
+    after = llm.collective_rpc(_rpc_stats)[0]  # the GPU injector's counters (absent on the CPU path)
+    steps = max(1, after.get("steps", 0) - steps_before.get("steps", 0))
+    host_s = after.get("inject_cpu_s", 0.0) - steps_before.get("inject_cpu_s", 0.0)
+    result["worker_inject_host_ms_per_step"] = round(host_s / steps * 1e3, 3)
+    print("scheduler-side us per request (median):", result["scheduler_us_median"], flush=True)
+    print("worker injection host ms per step:", result["worker_inject_host_ms_per_step"], flush=True)
     result["ttft_not_injected"] = {f"{k}/{m}": v for (k, m), v in bad.items() if v}
     result["stats_after_ttft"] = llm.collective_rpc(_rpc_stats)[0]
     _write(out, result)
 
+    if args.skip_qps:
+        return result
     # ---------------------------------------------------------------- throughput
     qps: dict = {"none": {}, "prompt": {}, "kv_hbm": {}}
     warm_pool()
@@ -587,6 +603,7 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=600)
     parser.add_argument("--equiv", type=int, default=50)
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out with --all")
+    parser.add_argument("--skip-qps", action="store_true", help="engine8b: TTFT only, no throughput batches")
     parser.add_argument("--model-config", type=Path, default=REPO / "bench" / "llama31_8b_config.json")
     parser.add_argument("--k", type=lambda v: [int(x) for x in v.split(",")], default=list(K_VALUES))
     parser.add_argument("--users", type=lambda v: [int(x) for x in v.split(",")], default=list(USERS))

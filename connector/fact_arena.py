@@ -273,35 +273,50 @@ class FactArena:
         """Pin several (entry, generation) pairs under one lock: all or none.
 
         Returns one view per pair; where any pair cannot be pinned, nothing stays pinned and
-        the failing pairs are None in the list."""
-        views: list[EntryView | None] = []
+        the failing pairs are None in the list. Column-wise numpy (a request may inject 50+
+        entries; per-record access of the structured table costs ~10 us each)."""
+        if not placements:
+            return []
+        ids = np.fromiter((e for e, _ in placements), dtype=np.int64, count=len(placements))
+        gens = np.fromiter((g for _, g in placements), dtype=np.int64, count=len(placements))
+        known = (ids >= 0) & (ids < self.geometry.max_entries)
+        safe = np.where(known, ids, 0)
         with self.locked():
-            for entry_id, generation in placements:
-                view = None
-                if 0 <= entry_id < self.geometry.max_entries:
-                    record = self.entries[entry_id]
-                    if record["state"] == LIVE and int(record["generation"]) == generation:
-                        record["pins"] += 1
-                        view = self._view(entry_id)
-                views.append(view)
-            if any(v is None for v in views):
-                for v in views:
-                    if v is not None:
-                        self.entries[v.entry_id]["pins"] -= 1
-        return views
+            ok = known & (self.entries["state"][safe] == LIVE) & (self.entries["generation"][safe] == gens)
+            if not ok.all():
+                return [None if not good else self._view(int(e)) for e, good in zip(ids, ok)]
+            pins = self.entries["pins"]
+            np.add.at(pins, ids, 1)  # the same entry may be placed twice
+            rows = self.entries[ids]  # a copy: the views are snapshots taken under the lock
+        page_tokens = self.geometry.page_tokens
+        slots = rows["pages"].astype(np.int64)[:, :, None] * page_tokens + np.arange(page_tokens)
+        slots = slots.reshape(len(ids), -1)
+        columns = zip(
+            ids.tolist(), rows["generation"].tolist(), rows["state"].tolist(), rows["n_tokens"].tolist(), rows["encode_start"].tolist()
+        )
+        return [
+            EntryView(entry_id=e, generation=g, state=st, n_tokens=n, encode_start=es, token_slots=slots[i, :n])
+            for i, (e, g, st, n, es) in enumerate(columns)
+        ]
 
     def unpin(self, entry_id: int, generation: int) -> None:
         self.unpin_many([(entry_id, generation)])
 
     def unpin_many(self, placements: list[tuple[int, int]]) -> None:
+        if not placements:
+            return
+        ids = np.fromiter((e for e, _ in placements), dtype=np.int64, count=len(placements))
+        gens = np.fromiter((g for _, g in placements), dtype=np.int64, count=len(placements))
         with self.locked():
-            for entry_id, generation in placements:
-                record = self.entries[entry_id]
-                if int(record["generation"]) != generation or record["pins"] <= 0:
-                    raise ArenaError(f"unpin of entry {entry_id} gen {generation} that is not pinned")
-                record["pins"] -= 1
-                if record["pins"] == 0 and record["state"] == RETIRED:
-                    self._free(entry_id)
+            pins = self.entries["pins"]
+            wanted = np.bincount(ids, minlength=len(pins))[ids]
+            bad = (self.entries["generation"][ids] != gens) | (pins[ids] < wanted)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ArenaError(f"unpin of entry {ids[i]} gen {gens[i]} that is not pinned")
+            np.subtract.at(pins, ids, 1)
+            for entry_id in np.unique(ids[(pins[ids] == 0) & (self.entries["state"][ids] == RETIRED)]):
+                self._free(int(entry_id))
 
     def writing_view(self, entry_id: int, generation: int) -> EntryView | None:
         """The view of an entry being written (capture target); None when stale."""

@@ -35,6 +35,7 @@ prefill of its own prompt tokens: the output is correct, only slower, and the en
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -171,6 +172,19 @@ class _RequestPlan:
     load_range: tuple[int, int] | None = None  # granted by vLLM, consumed by the next metadata
     block_ids: list[int] = field(default_factory=list)
     captured: bool = False
+    scheduler_s: float = 0.0  # host time the scheduler side spent on this request (reported back)
+
+
+def _concatenated(placements: list[_Placement]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Serving positions, arena slots and position distances of all placements' tokens, in order."""
+    lengths = np.fromiter((p.view.n_tokens for p in placements), dtype=np.int64, count=len(placements))
+    starts = np.fromiter((p.start for p in placements), dtype=np.int64, count=len(placements))
+    encode_starts = np.fromiter((p.view.encode_start for p in placements), dtype=np.int64, count=len(placements))
+    offsets = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    positions = np.repeat(starts, lengths) + offsets
+    slots = np.concatenate([p.view.token_slots for p in placements])
+    distances = np.repeat(starts - encode_starts, lengths)
+    return positions, slots, distances
 
 
 class _SchedulerSide:
@@ -198,11 +212,7 @@ class _SchedulerSide:
         if params.inject:
             plan.injects = self._pin_injects(request, params, prompt)
             if plan.injects:
-                plan.inject_positions = np.concatenate([np.arange(p.start, p.end, dtype=np.int64) for p in plan.injects])
-                plan.inject_slots = np.concatenate([p.view.token_slots for p in plan.injects])
-                plan.inject_distances = np.concatenate(
-                    [np.full(p.view.n_tokens, p.start - p.view.encode_start, dtype=np.int64) for p in plan.injects]
-                )
+                plan.inject_positions, plan.inject_slots, plan.inject_distances = _concatenated(plan.injects)
         if params.capture is not None:
             view = self.arena.writing_view(params.capture.entry, params.capture.generation)
             if view is None or params.capture.start + view.n_tokens > len(prompt):
@@ -224,8 +234,7 @@ class _SchedulerSide:
                 return []
         pinned = [_Placement(view, placement.start) for placement, view in zip(params.inject, views)]
         # all entries' tokens against the prompt in one comparison (per-entry checks cost ~20 us each)
-        positions = np.concatenate([np.arange(p.start, p.end, dtype=np.int64) for p in pinned])
-        slots = np.concatenate([p.view.token_slots for p in pinned])
+        positions, slots, _ = _concatenated(pinned)
         inside = positions < len(prompt)
         equal = np.zeros(len(positions), dtype=bool)
         equal[inside] = self.arena.token_ids[slots[inside]] == prompt[positions[inside]]
@@ -242,8 +251,12 @@ class _SchedulerSide:
 
     # -------- vLLM hooks
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+        started = time.perf_counter()
         plan = self._plan(request)
-        if plan is None or not plan.injects:
+        if plan is None:
+            return 0
+        plan.scheduler_s += time.perf_counter() - started
+        if not plan.injects:
             return 0
         end = num_computed_tokens
         for placement in plan.injects:  # sorted by start: extend a contiguous run from end
@@ -281,6 +294,13 @@ class _SchedulerSide:
         return metadata
 
     def _emit(self, plan: _RequestPlan, req_id: str, num_computed: int, scheduler_output, metadata) -> None:
+        started = time.perf_counter()
+        try:
+            self._emit_ops(plan, req_id, num_computed, scheduler_output, metadata)
+        finally:
+            plan.scheduler_s += time.perf_counter() - started
+
+    def _emit_ops(self, plan: _RequestPlan, req_id: str, num_computed: int, scheduler_output, metadata) -> None:
         if plan.load_range is not None:
             start, end = plan.load_range
             plan.load_range = None
@@ -318,7 +338,7 @@ class _SchedulerSide:
             return None
         if plan.injects:  # one lock for all
             self.arena.unpin_many([(p.view.entry_id, p.view.generation) for p in plan.injects])
-        return {PARAMS_KEY: {"captured": plan.captured}}
+        return {PARAMS_KEY: {"captured": plan.captured, "scheduler_us": round(plan.scheduler_s * 1e6, 1)}}
 
 
 # ===================================================================== worker side

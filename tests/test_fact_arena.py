@@ -107,3 +107,22 @@ def test_worker_skips_a_capture_whose_entry_was_released_and_reallocated(tmp_pat
     op = CaptureOp("req", np.arange(3), view.token_slots, stale.entry_id, stale.generation)
     worker.capture(KVMemoryConnectorMetadata(captures=[op]))  # would need a paged cache if it wrote
     assert torch.equal(arena.kv[0, view.token_slots], torch.full((3, 2, 1, 4), 5.0))
+
+
+def test_pin_many_counts_an_entry_placed_twice_and_the_last_unpin_frees_it(arena: FactArena) -> None:
+    ref = arena.allocate(list(range(10)), encode_start=3)
+    arena.commit(ref)
+    other = arena.allocate(list(range(5)), encode_start=0)
+    arena.commit(other)
+    views = arena.pin_many([(ref.entry_id, ref.generation), (other.entry_id, other.generation), (ref.entry_id, ref.generation)])
+    assert [v.entry_id for v in views] == [ref.entry_id, other.entry_id, ref.entry_id]
+    assert views[0].n_tokens == 10 and views[0].encode_start == 3 and len(views[0].token_slots) == 10
+    np.testing.assert_array_equal(arena.entry_token_ids(views[0]), np.arange(10))
+    assert int(arena.entries[ref.entry_id]["pins"]) == 2
+    assert arena.release(ref) is False  # retired: two pins left
+    arena.unpin_many([(ref.entry_id, ref.generation), (other.entry_id, other.generation)])
+    assert arena.state_of(ref) == "retired"
+    with pytest.raises(ArenaError):
+        arena.unpin_many([(ref.entry_id, ref.generation), (ref.entry_id, ref.generation)])  # only one pin left
+    arena.unpin_many([(ref.entry_id, ref.generation)])
+    assert arena.state_of(ref) == "free" and arena.usage()["pages_used"] == 1
