@@ -307,19 +307,18 @@ class GpuInjector:
         return entries, generations
 
     def _fully_read(self, pages: np.ndarray, entries: np.ndarray, rows_read: np.ndarray) -> np.ndarray:
-        """Whether each page's rows read this step are all of its valid rows (so a copy is whole)."""
-        full = np.zeros(len(pages), dtype=bool)
-        records = self.arena.entries
-        for i, (page, entry) in enumerate(zip(pages.tolist(), entries.tolist())):
-            if entry < 0:
-                continue
-            record = records[entry]
-            n_pages = int(record["n_pages"])
-            where = np.flatnonzero(record["pages"][:n_pages] == page)
-            if len(where):
-                valid = min(self.page_tokens, int(record["n_tokens"]) - int(where[0]) * self.page_tokens)
-                full[i] = rows_read[i] == valid
-        return full
+        """Whether each page's rows read this step are all of its valid rows (so a copy is whole).
+
+        Column-wise over the owners' table rows: a per-page loop over the structured table
+        cost ~10 us a page, most of a host-tier step's host time."""
+        owned = entries >= 0
+        rows = self.arena.entries[np.where(owned, entries, 0)]  # copies of the owners' records
+        max_pages = rows["pages"].shape[1]
+        in_entry = (rows["pages"] == pages[:, None]) & (np.arange(max_pages) < rows["n_pages"][:, None])
+        found = in_entry.any(axis=1)
+        index = in_entry.argmax(axis=1)  # the page's place in its entry
+        valid = np.minimum(self.page_tokens, rows["n_tokens"].astype(np.int64) - index * self.page_tokens)
+        return owned & found & (rows_read == valid)
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """One host->device copy for several int64 arrays; returns device views.
