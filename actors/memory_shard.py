@@ -54,7 +54,6 @@ class _FactKV:
     source_id: str | None = None
     ref: EntryRef | None = None  # live entry
     encoding: "EncodeJob | None" = None  # in-flight job
-    doomed: bool = False  # deleted/updated while encoding: release when the job returns
 
 
 @dataclass(frozen=True)
@@ -240,17 +239,14 @@ class MemoryShard:
             pass
 
     def _drop_kv(self, fact_id: str) -> None:
+        """Release the fact's live entry. An entry still being captured is left to its job: the
+        capture may still be writing, and complete_encode_jobs releases it once the job no longer
+        matches the fact (deleted, or re-tracked by an update)."""
         state = self.facts.get(fact_id)
-        if state is None:
-            return
-        if state.ref is not None:
+        if state is not None and state.ref is not None:
             self.arena.release(state.ref)  # retires it if a request still pins it
             state.ref = None
             self.lru.pop(fact_id, None)
-        if state.encoding is not None:
-            state.doomed = True  # the capture may still be writing: release when it reports back
-            self.facts[f"{fact_id}@{state.encoding.job_id}"] = state
-            self.facts.pop(fact_id)
 
     # ================================================================== reads
     def get(self, fact_id: str, user_id: str | None = None) -> FactRecord:
@@ -373,12 +369,11 @@ class MemoryShard:
                 continue
             ref = EntryRef(job.entry, job.generation)
             state = self._state_of_job(job)
-            if state is None or state.doomed or not captured:
+            if state is None or not captured:
                 self.arena.release(ref)
-                if state is not None and not state.doomed:
+                if state is not None:
                     state.encoding = None
                     self.queue.append(job.key)  # not captured (engine refused): retry
-                self.facts.pop(f"{job.key}@{job.job_id}", None)
                 continue
             try:
                 self.arena.commit(ref)
@@ -398,12 +393,8 @@ class MemoryShard:
         return len(self.queue) + len(self.in_flight)
 
     def _state_of_job(self, job: EncodeJob) -> _FactKV | None:
-        if job.key == PREFIX_KEY:
-            return self.prefix
-        doomed = self.facts.get(f"{job.key}@{job.job_id}")
-        if doomed is not None:
-            return doomed
-        state = self.facts.get(job.key)
+        """The state the job is still encoding for; None once its fact was deleted or updated."""
+        state = self.prefix if job.key == PREFIX_KEY else self.facts.get(job.key)
         if state is None or state.encoding is None or state.encoding.job_id != job.job_id:
             return None
         return state
@@ -435,7 +426,7 @@ class MemoryShard:
         usage = self.arena.usage()
         return {
             "shard": self.shard_id,
-            "facts": len([k for k in self.facts if "@" not in k]),
+            "facts": len(self.facts),
             "facts_with_kv": len(self.lru),
             "facts_encoded_total": self.facts_encoded,
             "pending_encodes": self.pending_encodes(),

@@ -59,16 +59,14 @@ class ChatAPI:
     def __init__(self, replicas: list[DeploymentHandle], settings: ServiceSettings) -> None:
         self.replicas = replicas
         self.settings = settings
-        self.store = FactStore.from_url(settings.redis_url, settings.memory.redis_prefix) if settings.redis_url else None
+        self.store = FactStore.from_url(settings.redis_url, settings.memory.redis_prefix)
 
     # ------------------------------------------------------------------ routing
     def _replica_of_user(self, user_id: str) -> DeploymentHandle:
-        if self.store is None:
-            return self.replicas[0]
         return self.replicas[self.store.shard_of(user_id, len(self.replicas))]
 
     def _replica_of_fact(self, fact_id: str, user_id: str | None) -> tuple[DeploymentHandle, str]:
-        owner = self.store.user_of_fact(fact_id) if self.store is not None else None
+        owner = self.store.user_of_fact(fact_id)
         if owner is None or (user_id is not None and owner != user_id):
             raise HTTPException(status_code=404, detail=f"no memory {fact_id!r}")
         return self._replica_of_user(owner), owner
@@ -158,25 +156,23 @@ class ChatAPI:
 
     @api.get("/health")
     async def health(self) -> dict[str, Any]:
-        status: dict[str, Any] = {"llm": "ok"}
-        url = self.settings.redis_url  # REDIS_URL in the environment lands here too
-        if url:
-            import redis.asyncio as aioredis
+        import redis.asyncio as aioredis
 
-            client = aioredis.Redis.from_url(url, socket_timeout=2)
-            try:
-                await client.ping()
-                status["redis"] = "ok"
-            except Exception as exc:  # report, do not crash the ingress
-                raise HTTPException(status_code=503, detail=f"redis unreachable: {exc}") from exc
-            finally:
-                await client.aclose()
-        return status
+        client = aioredis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
+        try:
+            await client.ping()
+        except Exception as exc:  # report, do not crash the ingress
+            raise HTTPException(status_code=503, detail=f"redis unreachable: {exc}") from exc
+        finally:
+            await client.aclose()
+        return {"llm": "ok", "redis": "ok"}
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """Application builder for `serve run` (args: the YAML `args`, see ServiceSettings)."""
     settings = ServiceSettings.from_args(args)
+    if not settings.redis_url:
+        raise ValueError("redis_url (or REDIS_URL) is required: Redis holds the memory records and the user -> shard map")
     return ChatAPI.bind(llm_deployments(settings), settings)
 
 

@@ -65,8 +65,6 @@ class LLMReplica:
         from connector.engine_config import kv_transfer_config
         from serve_app.engine import build_async_engine
 
-        if not settings.redis_url:
-            raise ValueError("redis_url (or REDIS_URL) is required: Redis holds the memory records")
         self.settings = settings
         self.shard_id = shard_id
         model = settings.resolved_model()
@@ -260,7 +258,7 @@ class LLMReplica:
             raise RequestRejected(f"unknown memory operation {op!r}")
         self._ensure_driver()
         result = await self._shard(op, *args)
-        if op in ("update",):
+        if op == "update":
             await self.driver.drain()
         if op == "stats":
             self._export_stats(result)

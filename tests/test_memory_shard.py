@@ -22,6 +22,8 @@ from actors.settings import ArenaCapacity, MemorySettings
 from actors.vector_index import IndexSettings
 from bench.ingest_locomo import conversation_turns, ingest, observation_facts
 from connector.engine_config import kv_transfer_config
+from connector.fact_arena import EntryRef
+from connector.params import KVMemoryParams
 from tests.connector_harness import sampling, tokens_prompt
 
 pytestmark = pytest.mark.slow
@@ -39,6 +41,15 @@ def shard_settings(window_turns: int) -> MemorySettings:
     )
 
 
+def run_plan(llm, plan, max_tokens: int = 16, logprobs: int | None = None):
+    """Run a shard's ChatPlan on an offline engine (its salt and kvmem parameters, if any)."""
+    params = KVMemoryParams.from_kv_transfer_params(plan.kv_transfer_params)
+    (out,) = llm.generate(
+        [tokens_prompt(plan.prompt_token_ids, plan.cache_salt)], sampling(max_tokens, params, logprobs=logprobs), use_tqdm=False
+    )
+    return out
+
+
 class Memory:
     """A shard and an engine over its arena."""
 
@@ -54,14 +65,7 @@ class Memory:
         return [r["id"] for r in results]
 
     def run(self, plan, max_tokens: int = 16, logprobs: int | None = None):
-        kv = plan.kv_transfer_params is not None
-        from connector.params import KVMemoryParams
-
-        params = KVMemoryParams.model_validate(plan.kv_transfer_params["kvmem"]) if kv else None
-        (out,) = self.llm.generate(
-            [tokens_prompt(plan.prompt_token_ids, plan.cache_salt)], sampling(max_tokens, params, logprobs=logprobs), use_tqdm=False
-        )
-        return out
+        return run_plan(self.llm, plan, max_tokens, logprobs)
 
     def close(self) -> None:
         self.shard.arena.close()
@@ -220,3 +224,26 @@ def test_facts_that_do_not_fit_the_context_are_left_out_least_relevant_first(mem
     assert bare.facts == [] and len(bare.prompt_token_ids) == budget - len(top)
     out = memory.run(bare)
     assert out.num_cached_tokens == bare.injected_tokens == len(shard.layout.prefix_ids)
+
+
+def test_a_fact_deleted_or_updated_while_encoding_never_goes_live(smollm2_dir, redis_server) -> None:
+    """The capture may still be writing when the fact changes: its entry is released when the
+    job reports back, not before, and never committed (no engine needed: the shard's logic)."""
+    settings = shard_settings(window_turns=0)
+    shard = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=uuid.uuid4().hex[:8])
+    try:
+        doomed, changed = [r["id"] for r in shard.add_facts("kim", [NewFact(text="Kim owns a kayak."), NewFact(text="Kim lives in Bergen.")])]
+        jobs = {job.key: job for job in shard.take_encode_jobs()}
+        refs = {key: EntryRef(job.entry, job.generation) for key, job in jobs.items()}
+        shard.delete(doomed, "kim")
+        shard.update(changed, "kim", "Kim moved to Tromso.")
+        assert shard.arena.state_of(refs[doomed]) == shard.arena.state_of(refs[changed]) == "writing"  # still capturing
+        assert shard.complete_encode_jobs({job.job_id: True for job in jobs.values()}) == 1  # only the prefix
+        assert shard.arena.state_of(refs[doomed]) == shard.arena.state_of(refs[changed]) == "free"
+        assert shard.facts[changed].ref is None and shard.facts[changed].text == "Kim moved to Tromso."
+        (again,) = [job for job in shard.take_encode_jobs() if job.key == changed]  # the new text is encoded
+        assert shard.layout.tokenizer.decode(again.token_ids[again.start :]) == "- Kim moved to Tromso.\n"
+        assert shard.stats()["facts"] == 1
+    finally:
+        shard.arena.close()
+        shutil.rmtree(settings.arena_dir, ignore_errors=True)

@@ -28,3 +28,12 @@ def test_defaults_are_the_embedded_cpu_setup(monkeypatch: pytest.MonkeyPatch) ->
 def test_invalid_args_are_rejected(args: dict) -> None:
     with pytest.raises(ValidationError):
         ServiceSettings.from_args(args)
+
+
+def test_the_app_refuses_to_build_without_redis(monkeypatch) -> None:
+    from serve_app.app import build_app
+
+    for name in ("REDIS_URL", "KVMEM_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="redis_url"):
+        build_app({})

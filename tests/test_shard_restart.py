@@ -16,8 +16,7 @@ from actors.fact_store import NewFact, Turn
 from actors.shard_actor import start_shard_actor
 from bench.ingest_locomo import ingest
 from connector.engine_config import kv_transfer_config
-from tests.connector_harness import sampling, tokens_prompt
-from tests.test_memory_shard import shard_settings
+from tests.test_memory_shard import run_plan, shard_settings
 
 pytestmark = pytest.mark.slow
 
@@ -68,10 +67,7 @@ def test_kill_mid_ingest_then_every_acknowledged_fact_is_back(ray_session, engin
         assert stats["facts"] == stats["facts_with_kv"] == 30 and stats["pending_encodes"] == 0
         plan = ray.get(shard.plan_chat.remote("dana", [{"role": "user", "content": "What did I do on day 7?"}], 8))
         assert len(plan.facts) == 8 and plan.prefilled_fact_ids == []
-        from connector.params import KVMemoryParams
-
-        params = KVMemoryParams.model_validate(plan.kv_transfer_params["kvmem"])
-        (out,) = llm.generate([tokens_prompt(plan.prompt_token_ids, plan.cache_salt)], sampling(4, params), use_tqdm=False)
+        out = run_plan(llm, plan, max_tokens=4)
         assert out.num_cached_tokens == plan.injected_tokens > 0
     finally:
         ray.kill(shard, no_restart=True)
