@@ -94,6 +94,7 @@ def test_one_fact_kv_injection_equals_prompt_injection(memory: Memory) -> None:
         memory.shard.layout.fact_ids("Alice adopted a beagle named Rex in May 2023.")
     )
     assert plain.num_cached_tokens == 0
+    assert injected.kv_transfer_params["kvmem"]["scheduler_us"] > 0  # the connector's own report
     assert injected.outputs[0].token_ids == plain.outputs[0].token_ids
     first_a, first_b = injected.outputs[0].logprobs[0], plain.outputs[0].logprobs[0]
     gap = max(abs(first_a[t].logprob - first_b[t].logprob) for t in set(first_a) & set(first_b))
@@ -246,4 +247,18 @@ def test_a_fact_deleted_or_updated_while_encoding_never_goes_live(smollm2_dir, r
         assert shard.stats()["facts"] == 1
     finally:
         shard.arena.close()
+        shutil.rmtree(settings.arena_dir, ignore_errors=True)
+
+
+def test_a_shard_replaces_an_arena_left_with_another_geometry(smollm2_dir, redis_server) -> None:
+    settings = shard_settings(window_turns=0)
+    namespace = uuid.uuid4().hex[:8]
+    first = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=namespace)
+    first.arena.close()
+    bigger = settings.model_copy(update={"arena": ArenaCapacity(num_pages=2048, max_entries=512)})
+    try:
+        second = MemoryShard(0, bigger, str(smollm2_dir), "float32", redis_server.url, namespace=namespace)
+        assert second.arena_path() == first.arena_path() and second.arena.geometry.num_pages == 2048
+        second.arena.close()
+    finally:
         shutil.rmtree(settings.arena_dir, ignore_errors=True)

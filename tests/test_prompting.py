@@ -47,3 +47,22 @@ def test_extraction_answers_are_parsed_and_capped() -> None:
     assert parse_facts('{"facts": ["cut off', 5) == []  # truncated at max_tokens
     assert parse_facts('["not", "an object"]', 5) == []
     assert parse_facts('{"facts": [1, null, "ok"]}', 5) == ["ok"]
+
+
+def test_locomo_fact_sources_become_one_dialogue_id() -> None:
+    from bench.ingest_locomo import observation_facts
+
+    sample = {
+        "conversation": {"session_1_date_time": "8 May 2023", "session_2_date_time": "9 May 2023"},
+        "observation": {
+            "session_2_observation": {"B": [["Fact c.", "D2:7"]]},
+            "session_1_observation": {"A": [["Fact a.", "D1:3; D1:4"], ["Fact b.", ["D1:9", "D1:2"]], ["Fact d.", []]]},
+        },
+    }
+    facts = observation_facts(sample)
+    assert [(f.text, f.source_id, f.session_time) for f in facts] == [
+        ("Fact a.", "D1:3", "8 May 2023"),
+        ("Fact b.", "D1:9", "8 May 2023"),
+        ("Fact d.", None, "8 May 2023"),
+        ("Fact c.", "D2:7", "9 May 2023"),
+    ]
