@@ -529,6 +529,8 @@ class CagraIndex(VectorIndex):
             # After a failed build, retry only when forced or once the index has doubled.
             if live >= self.cagra_min_vectors and (force or self._failed_at is None or live >= 2 * self._failed_at):
                 self._rebuild()
+            elif self._n_dead > self.rebuild_tombstone_fraction * max(self._n_rows, 1):
+                self._compact()  # no graph to rebuild, but deleted rows must not pile up
             return
         if live < self.cagra_min_vectors // 2:  # shrank far below the threshold: back to exact only
             self._drop_graph()

@@ -46,7 +46,7 @@ from pydantic import ValidationError
 from connector.fact_arena import EntryView, FactArena
 from connector.layouts import FlashAttnLayout, PagedKVLayout, layout_for_metadata
 from connector.params import PARAMS_KEY, CaptureOp, InjectOp, KVMemoryConnectorMetadata, KVMemoryParams
-from connector.rotary import KeyRepositioner
+from connector.rotary import KeyRepositioner, rope_max_position
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -74,7 +74,9 @@ class KVMemoryConnector(KVConnectorBase_V1):
             raise ValueError("KVMemoryConnector needs kv_connector_extra_config['arena_path']")
         arena = FactArena.open(arena_path)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler: _SchedulerSide | None = _SchedulerSide(arena, vllm_config.cache_config.block_size)
+            self._scheduler: _SchedulerSide | None = _SchedulerSide(
+                arena, vllm_config.cache_config.block_size, max_distance=rope_max_position(vllm_config) - 1
+            )
             self._worker: _WorkerSide | None = None
         else:
             self._scheduler = None
@@ -188,9 +190,10 @@ def _concatenated(placements: list[_Placement]) -> tuple[np.ndarray, np.ndarray,
 
 
 class _SchedulerSide:
-    def __init__(self, arena: FactArena, block_size: int) -> None:
+    def __init__(self, arena: FactArena, block_size: int, max_distance: int = 1 << 30) -> None:
         self.arena = arena
         self.block_size = block_size
+        self.max_distance = max_distance  # the worker's rotary table ends there
         self.plans: dict[str, _RequestPlan] = {}
         self.fallbacks = 0
 
@@ -234,7 +237,11 @@ class _SchedulerSide:
                 return []
         pinned = [_Placement(view, placement.start) for placement, view in zip(params.inject, views)]
         # all entries' tokens against the prompt in one comparison (per-entry checks cost ~20 us each)
-        positions, slots, _ = _concatenated(pinned)
+        positions, slots, distances = _concatenated(pinned)
+        if int(np.abs(distances).max()) > self.max_distance:  # the worker could not rotate it
+            self.arena.unpin_many([(q.view.entry_id, q.view.generation) for q in pinned])
+            self._fallback(request, f"an entry moves more than the rotary table's {self.max_distance} positions")
+            return []
         inside = positions < len(prompt)
         equal = np.zeros(len(positions), dtype=bool)
         equal[inside] = self.arena.token_ids[slots[inside]] == prompt[positions[inside]]

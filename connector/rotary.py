@@ -45,7 +45,7 @@ class KeyRepositioner:
         if partial is not None and "partial_rotary_factor" not in rope_parameters:
             rope_parameters["partial_rotary_factor"] = partial
         is_neox_style = bool(getattr(hf_config, "rope_is_neox_style", True))
-        max_position = getattr(hf_config, "max_position_embeddings", model_config.max_model_len)
+        max_position = rope_max_position(vllm_config)
         from vllm.config import set_current_vllm_config
 
         with set_current_vllm_config(vllm_config):  # get_rope builds a CustomOp
@@ -105,3 +105,10 @@ class KeyRepositioner:
         if self.rotary_dim == self.head_size:
             return rotated
         return torch.cat((rotated, keys[..., self.rotary_dim :]), dim=-1)
+
+
+def rope_max_position(vllm_config: Any) -> int:
+    """Positions the repositioner's table is built for: a distance of at most this minus one can
+    be applied (the table of a scaled rope may be longer; this bound is the safe one)."""
+    model_config = vllm_config.model_config
+    return int(getattr(model_config.hf_text_config, "max_position_embeddings", model_config.max_model_len))

@@ -126,3 +126,30 @@ def test_pin_many_counts_an_entry_placed_twice_and_the_last_unpin_frees_it(arena
         arena.unpin_many([(ref.entry_id, ref.generation), (ref.entry_id, ref.generation)])  # only one pin left
     arena.unpin_many([(ref.entry_id, ref.generation)])
     assert arena.state_of(ref) == "free" and arena.usage()["pages_used"] == 1
+
+
+def test_scheduler_falls_back_when_an_entry_would_move_beyond_the_rotary_table(arena: FactArena) -> None:
+    """The worker cannot rotate keys farther than its table: the scheduler refuses such an
+    injection up front (a prefill, entries unpinned) instead of failing the engine step."""
+    import types
+
+    from connector.kv_memory_connector import _SchedulerSide
+    from connector.params import EntryPlacement, KVMemoryParams
+
+    tokens = list(range(7, 19))
+    side = _SchedulerSide(arena, block_size=8, max_distance=20)
+
+    def offered(encode_start: int) -> tuple[int, int]:
+        ref = arena.allocate(tokens, encode_start=encode_start)
+        arena.commit(ref)
+        params = KVMemoryParams(inject=[EntryPlacement(entry=ref.entry_id, generation=ref.generation, start=0)])
+        request = types.SimpleNamespace(
+            request_id=f"r{encode_start}", kv_transfer_params=params.to_kv_transfer_params(), prompt_token_ids=tokens + [2],
+            cache_salt="salt", num_prompt_tokens=len(tokens) + 1,
+        )  # fmt: skip
+        granted = side.get_num_new_matched_tokens(request, 0)
+        return granted, int(arena.entries[ref.entry_id]["pins"])
+
+    assert offered(encode_start=20) == (12, 1)  # moved by -20: within the table, pinned and offered
+    assert offered(encode_start=21) == (0, 0)  # one beyond: prefilled, nothing left pinned
+    assert side.fallbacks == 1

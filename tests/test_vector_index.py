@@ -321,6 +321,21 @@ def test_cagra_routing_thresholds_and_tombstone_rebuild() -> None:
     assert idx.search("big", small[7], 3) == [[]]
 
 
+def test_cagra_rows_of_updated_facts_do_not_pile_up_without_a_graph() -> None:
+    """Below cagra_min_vectors there is no graph to rebuild; re-adding (updating) facts must
+    still compact the dead rows away, or a small busy index grows without bound."""
+    rng = np.random.default_rng(8)
+    idx = fake_cagra_index(cagra_min_vectors=10_000, rebuild_tombstone_fraction=0.2)
+    ids = [f"f{i}" for i in range(50)]
+    for _ in range(200):
+        idx.add(ids, ["u"] * 50, rng.standard_normal((50, DIM)).astype(np.float32))
+    assert not idx.has_graph and len(idx) == 50
+    assert idx.tombstones <= 0.2 * 250 and idx._n_rows <= 250  # compacted, not 10,000 rows
+    last = rng.standard_normal((50, DIM)).astype(np.float32)
+    idx.add(ids, ["u"] * 50, last)
+    assert idx.search("u", last[9], 1)[0][0].fact_id == "f9"
+
+
 def test_cagra_failed_build_keeps_serving_exactly() -> None:
     cagra, filters = fake_cuvs()
 
