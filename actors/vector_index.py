@@ -288,9 +288,6 @@ class ExactIndex(VectorIndex):
         block = self._users.get(user_id)
         return [] if block is None else list(block.ids)
 
-    def user_ids(self) -> list[str]:
-        return list(self._users)
-
     def vector(self, fact_id: str) -> np.ndarray | None:
         """The stored (normalised) vector of a fact, None if absent."""
         with self._lock:

