@@ -142,7 +142,9 @@ class FactArena:
         g = geometry
         entry_dtype = _entry_dtype(g.max_pages_per_entry)
         sizes = _table_sizes(g)
-        self._extend_tables(sum(sizes), g.num_pages * 4)
+        found = (self.path / "tables.bin").stat().st_size
+        if found != sum(sizes):  # written by another version: the owner rebuilds a derived arena
+            raise ArenaError(f"arena tables at {self.path} hold {found} bytes, this version expects {sum(sizes)}")
         self._tables = np.memmap(self.path / "tables.bin", dtype=np.uint8, mode="r+", shape=(sum(sizes),))
         offset = 0
         self.entries = np.ndarray((g.max_entries,), dtype=entry_dtype, buffer=self._tables, offset=offset)
@@ -369,15 +371,6 @@ class FactArena:
                 self.page_device[pages] = slots
 
     # ------------------------------------------------------------------ internals
-    def _extend_tables(self, wanted: int, residency_bytes: int) -> None:
-        """Arenas made before the residency table existed: append it (all pages host only)."""
-        tables = self.path / "tables.bin"
-        size = tables.stat().st_size
-        if size == wanted - residency_bytes:
-            with open(tables, "r+b") as f:
-                f.seek(size)
-                f.write(np.full(residency_bytes // 4, -1, dtype=np.int32).tobytes())
-
     def _record(self, ref: EntryRef):
         if not 0 <= ref.entry_id < self.geometry.max_entries:
             raise ArenaError(f"unknown entry {ref.entry_id}")

@@ -153,3 +153,45 @@ def test_scheduler_falls_back_when_an_entry_would_move_beyond_the_rotary_table(a
     assert offered(encode_start=20) == (12, 1)  # moved by -20: within the table, pinned and offered
     assert offered(encode_start=21) == (0, 0)  # one beyond: prefilled, nothing left pinned
     assert side.fallbacks == 1
+
+
+def test_usage_reports_bytes_per_tier(arena: FactArena) -> None:
+    ref = arena.allocate(list(range(20)), 0)  # 3 pages
+    arena.commit(ref)
+    view = arena.pin(ref.entry_id, ref.generation)
+    pages = np.unique(view.token_slots // GEOMETRY.page_tokens)
+    usage = arena.usage()
+    assert usage["pages_used"] == 3 and usage["device_pages_resident"] == 0 and usage["bytes_device"] == 0
+    assert usage["bytes_host"] == 3 * arena.page_bytes == 3 * GEOMETRY.kv_bytes() // GEOMETRY.num_pages
+    arena.publish_residency(pages[:2], np.array([5, 9]))
+    assert arena.usage()["device_pages_resident"] == 2 and arena.usage()["bytes_device"] == 2 * arena.page_bytes
+    other = FactArena.open(arena.path)  # the owner sees what the worker published
+    assert other.usage()["device_pages_resident"] == 2
+    arena.unpin(ref.entry_id, ref.generation)
+    arena.release(ref)  # freeing pages forgets their residency
+    assert other.usage()["device_pages_resident"] == 0 and (other.page_device[pages] == -1).all()
+    other.close()
+
+
+def test_arena_tables_of_another_layout_are_refused(tmp_path) -> None:
+    """An arena written by another version (other table layout) is refused with ArenaError, which
+    the shard answers by replacing it (its KV is derived from Redis)."""
+    FactArena.create(tmp_path / "old", GEOMETRY).close()
+    tables = tmp_path / "old" / "tables.bin"
+    with open(tables, "r+b") as f:  # e.g. an arena written before the residency table existed
+        f.truncate(tables.stat().st_size - GEOMETRY.num_pages * 4)
+    with pytest.raises(ArenaError, match="this version expects"):
+        FactArena.open(tmp_path / "old")
+
+
+def test_pin_many_is_all_or_nothing(arena: FactArena) -> None:
+    a, b = arena.allocate([1, 2], 0), arena.allocate([3, 4], 0)
+    arena.commit(a)
+    arena.commit(b)
+    views = arena.pin_many([(a.entry_id, a.generation), (b.entry_id, b.generation + 1)])
+    assert views[0] is not None and views[1] is None
+    assert arena.entries[a.entry_id]["pins"] == 0  # nothing stays pinned
+    views = arena.pin_many([(a.entry_id, a.generation), (b.entry_id, b.generation)])
+    assert all(v is not None for v in views)
+    arena.unpin_many([(a.entry_id, a.generation), (b.entry_id, b.generation)])
+    assert arena.entries[a.entry_id]["pins"] == 0 and arena.entries[b.entry_id]["pins"] == 0
