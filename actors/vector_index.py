@@ -25,8 +25,8 @@ Deletes are tombstones in the graph (cleared from every bitset); when tombstones
 New rows are searched exactly until `extend_min_vectors` of them are pending, then they are
 inserted with cagra.extend.
 
-The module needs numpy and torch only; pydantic and cuVS are optional imports, so the GPU
-benchmark (bench/cagra_h200.py) runs on a box with torch, numpy and cuVS alone.
+The module needs numpy, torch and pydantic; cuVS is an optional import. The GPU benchmark
+(bench/cagra_h200.py) needs nothing else of the project.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "CagraIndex",
@@ -766,53 +767,34 @@ class CagraIndex(VectorIndex):
 
 # ----------------------------------------------------------------------------- settings
 
-try:
-    from pydantic import BaseModel, ConfigDict, Field
 
-    class IndexSettings(BaseModel):
-        """Vector index configuration (nested in the shard settings)."""
+class IndexSettings(BaseModel):
+    """Vector index configuration (nested in the shard settings)."""
 
-        model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid")
 
-        backend: Literal["auto", "exact", "cagra"] = Field(
-            "auto", description="auto: CAGRA when cuVS imports and a GPU is present, else exact torch search."
-        )
-        device: str = Field("auto", description="torch device of the index: auto (cuda if available), cpu, cuda, cuda:N.")
-        cagra_min_vectors: int = Field(
-            10_000, ge=256, description="Below this many live vectors CagraIndex answers with exact search (CAGRA cannot build on ~100)."
-        )
-        exact_user_max_vectors: int = Field(
-            20_000, ge=0, description="Users with at most this many facts are searched exactly even when a graph exists."
-        )
-        graph_degree: int = Field(64, gt=0, description="CAGRA output graph degree.")
-        intermediate_graph_degree: int = Field(128, gt=0, description="CAGRA kNN graph degree before pruning.")
-        itopk_size: int = Field(128, gt=0, description="CAGRA search candidate list (raised to k rounded up to 32).")
-        build_algo: Literal["ivf_pq", "nn_descent", "iterative_cagra_search"] = Field(
-            "ivf_pq", description="CAGRA kNN-graph construction algorithm."
-        )
-        rebuild_tombstone_fraction: float = Field(
-            0.2, gt=0, le=1, description="Rebuild the graph when deleted rows exceed this share of its rows."
-        )
-        extend_min_vectors: int = Field(
-            1024, gt=0, description="New rows are searched exactly until this many are pending, then cagra.extend inserts them."
-        )
-
-except ImportError:  # GPU benchmark boxes may lack pydantic: same fields, no validation
-
-    @dataclass
-    class IndexSettings:  # type: ignore[no-redef]
-        """Vector index configuration (plain dataclass: pydantic is not installed)."""
-
-        backend: str = "auto"
-        device: str = "auto"
-        cagra_min_vectors: int = 10_000
-        exact_user_max_vectors: int = 20_000
-        graph_degree: int = 64
-        intermediate_graph_degree: int = 128
-        itopk_size: int = 128
-        build_algo: str = "ivf_pq"
-        rebuild_tombstone_fraction: float = 0.2
-        extend_min_vectors: int = 1024
+    backend: Literal["auto", "exact", "cagra"] = Field(
+        "auto", description="auto: CAGRA when cuVS imports and a GPU is present, else exact torch search."
+    )
+    device: str = Field("auto", description="torch device of the index: auto (cuda if available), cpu, cuda, cuda:N.")
+    cagra_min_vectors: int = Field(
+        10_000, ge=256, description="Below this many live vectors CagraIndex answers with exact search (CAGRA cannot build on ~100)."
+    )
+    exact_user_max_vectors: int = Field(
+        20_000, ge=0, description="Users with at most this many facts are searched exactly even when a graph exists."
+    )
+    graph_degree: int = Field(64, gt=0, description="CAGRA output graph degree.")
+    intermediate_graph_degree: int = Field(128, gt=0, description="CAGRA kNN graph degree before pruning.")
+    itopk_size: int = Field(128, gt=0, description="CAGRA search candidate list (raised to k rounded up to 32).")
+    build_algo: Literal["ivf_pq", "nn_descent", "iterative_cagra_search"] = Field(
+        "ivf_pq", description="CAGRA kNN-graph construction algorithm."
+    )
+    rebuild_tombstone_fraction: float = Field(
+        0.2, gt=0, le=1, description="Rebuild the graph when deleted rows exceed this share of its rows."
+    )
+    extend_min_vectors: int = Field(
+        1024, gt=0, description="New rows are searched exactly until this many are pending, then cagra.extend inserts them."
+    )
 
 
 def build_index(settings: IndexSettings, dim: int) -> VectorIndex:

@@ -3,7 +3,7 @@ extend and delete, over 100k synthetic facts of 50 users.
 
     python3 -m bench.cagra_h200 --out bench/results/cagra_h200.json
 
-Needs torch, numpy and cuVS (cuvs-cu13 / cuvs-cu12) only: no sentence-transformers, vLLM
+Needs torch, numpy, pydantic and cuVS (cuvs-cu13 / cuvs-cu12) only: no sentence-transformers, vLLM
 or data files. actors/vector_index.py is loaded straight from its file, so nothing else of
 the repository (actors/__init__.py included) is imported.
 
