@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from actors.embedder import Embedder
-from actors.fact_store import FactEvent, FactRecord, FactStore, NewFact, Turn, UnknownFact
+from actors.fact_store import FactEvent, FactRecord, FactStore, NewFact, Turn
 from actors.prompting import PromptLayout
 from actors.settings import MemorySettings
 from actors.vector_index import build_index

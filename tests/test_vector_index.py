@@ -366,34 +366,6 @@ def test_settings_and_build_index() -> None:
         IndexSettings(unknown_field=1)
 
 
-# ----------------------------------------------------------------------------- real cuVS (GPU)
-
-needs_cuvs = pytest.mark.skipif(
-    not cuvs_available(), reason="cuVS is not importable or no CUDA device (CagraIndex runs only on a GPU with cuvs-cu13/cu12)"
-)
-
-
-@needs_cuvs
-def test_real_cagra_recall_isolation_and_delete() -> None:
-    rng = np.random.default_rng(7)
-    n, d = 20_000, 64
-    x = unit(rng.standard_normal((n, d)))
-    users = [f"u{i % 10}" for i in range(n)]
-    idx = CagraIndex(d, "cuda", cagra_min_vectors=10_000, exact_user_max_vectors=0, itopk_size=64)
-    idx.add([f"f{i}" for i in range(n)], users, x)
-    assert idx.has_graph, idx.last_error
-    q = unit(rng.standard_normal((50, d)))
-    exact = ExactIndex(d, "cuda")
-    exact.add([f"f{i}" for i in range(n)], users, x)
-    got, want = idx.search("u3", q, 10), exact.search("u3", q, 10)
-    rec = np.mean([len({h.fact_id for h in g} & {h.fact_id for h in w}) / 10 for g, w in zip(got, want)])
-    assert rec >= 0.9
-    assert all(idx.user_of(h.fact_id) == "u3" for row in got for h in row)
-    dead = [h.fact_id for h in got[0][:5]]
-    idx.remove(dead)
-    assert not {h.fact_id for h in idx.search("u3", q[0], 10)[0]} & set(dead)
-
-
 # ----------------------------------------------------------------------------- Embedder
 
 
