@@ -6,9 +6,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 CONFIG=${CONFIG:-config.yaml}
+VENV=${VENV:-.venv}
 if [ -z "${REDIS_URL:-}" ]; then
   mkdir -p .cache/redis
-  .venv/bin/python -m serve_app.local_redis --dir .cache/redis > .cache/redis/url 2> .cache/redis/log &
+  "$VENV/bin/python" -m serve_app.local_redis --dir .cache/redis > .cache/redis/url 2> .cache/redis/log &
   REDIS_PID=$!
   trap 'kill $REDIS_PID 2>/dev/null || true' EXIT
   for _ in $(seq 100); do [ -s .cache/redis/url ] && break; sleep 0.1; done
@@ -17,4 +18,4 @@ if [ -z "${REDIS_URL:-}" ]; then
   export REDIS_URL
   echo "local Redis at $REDIS_URL"
 fi
-.venv/bin/serve run "$CONFIG"
+"$VENV/bin/serve" run "$CONFIG"

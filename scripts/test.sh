@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
-exec .venv/bin/python -m pytest -ra "$@"
+exec "${VENV:-.venv}/bin/python" -m pytest -ra "$@"

