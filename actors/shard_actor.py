@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.settings import MemorySettings
+from memory.settings import MemorySettings
 
 
 def shard_actor_name(namespace: str, shard_id: int) -> str:
@@ -30,7 +30,7 @@ def start_shard_actor(
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from actors.memory_shard import MemoryShard
+    from memory.shard import MemoryShard
 
     actor = ray.remote(MemoryShard).options(
         name=shard_actor_name(namespace, shard_id),

@@ -5,7 +5,7 @@ the no-memory floor is host time (docs/gpu.md). This script times the two host-s
 isolation, so a change to either can be judged on any machine:
 
 - scheduler side: plan one request injecting k facts (pin, token check, slot plan), emit its
-  inject op, finish it (`_SchedulerSide`, as the engine core calls it);
+  inject op, finish it (`KVMemoryScheduler`, as the engine core calls it);
 - worker side: one injection step of those k facts in the GPU injector with its kernels
   stubbed out (`GpuInjector._inject_step`), with every page resident in the HBM tier ("hit")
   and with none resident ("miss": the host-tier path that stages and promotes pages).
@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from connector.composition import StoredSegment, compose
-from connector.fact_arena import ArenaGeometry, FactArena
-from connector.kv_memory_connector import _SchedulerSide
+from memory.composition import StoredSegment, compose
+from kvarena.arena import ArenaGeometry, FactArena
+from connector.scheduler import KVMemoryScheduler
 
 POOL = 300  # facts in the arena
 FACT_TOKENS = (12, 30)  # LoCoMo observation facts are ~20 tokens
@@ -55,7 +55,7 @@ def _arena(root: Path) -> tuple[FactArena, list[StoredSegment]]:
 
 
 def scheduler_us(arena: FactArena, segments: list[StoredSegment], k: int, n: int, rng: np.random.Generator) -> float:
-    side = _SchedulerSide(arena, block_size=16)
+    side = KVMemoryScheduler(arena, block_size=16)
     times = []
     for _ in range(n):
         chosen = [segments[i] for i in rng.choice(len(segments), k, replace=False)]
@@ -80,7 +80,7 @@ def scheduler_us(arena: FactArena, segments: list[StoredSegment], k: int, n: int
 
 
 def worker_us(arena: FactArena, segments: list[StoredSegment], k: int, n: int, rng: np.random.Generator) -> dict[str, float]:
-    from connector.gpu_tiers import GpuInjector
+    from connector.gpu_injector import GpuInjector
     from connector.rotary import KeyRepositioner
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope

@@ -39,12 +39,13 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from connector.composition import StoredSegment, compose
-    from connector.engine_config import arena_geometry_for, kv_transfer_config
-    from connector.fact_arena import FactArena
-    from connector.params import EntryPlacement, KVMemoryParams
+    from memory.composition import StoredSegment, compose
+    from kvarena.arena import arena_geometry_for
+    from connector.engine_config import kv_transfer_config
+    from kvarena.arena import FactArena
+    from kvarena.params import EntryPlacement, KVMemoryParams
     from serve_app.engine import build_offline_engine
-    from serve_app.offline_models import prepare_smollm2
+    from devtools.offline_models import prepare_smollm2
     from serve_app.settings import EngineSettings
 
     model = prepare_smollm2()

@@ -24,8 +24,9 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from actors.encoder import EncodeDriver, ShardCaller
-from actors.fact_store import NewFact, Turn
+from actors.shard_client import ShardClient
+from serve_app.encode_driver import EncodeDriver
+from memory.fact_store import NewFact, Turn
 
 DEFAULT_LOCOMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo8.json"
 
@@ -62,7 +63,7 @@ def observation_facts(sample: dict[str, Any]) -> list[NewFact]:
 
 
 async def ingest(
-    shard: Any,
+    shard: ShardClient,
     engine: Any,
     user_id: str,
     turns: list[Turn],
@@ -72,14 +73,13 @@ async def ingest(
     after_batch: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Record turns, then add and encode facts batch by batch; returns counts and rates."""
-    call = ShardCaller(shard)
     driver = EncodeDriver(shard, engine, batch=max(batch, 1))
     started = time.perf_counter()
-    await call("add_turns", user_id, turns)
+    await shard.add_turns(user_id, turns)
     acked: list[str] = []
     bar = tqdm(total=len(facts), desc=f"ingest {user_id}", unit="fact", disable=not progress)
     for i in range(0, len(facts), batch):
-        results = await call("add_facts", user_id, facts[i : i + batch])
+        results = await shard.add_facts(user_id, facts[i : i + batch])
         acked += [r["id"] for r in results]
         await driver.drain()
         bar.update(len(results))
@@ -101,12 +101,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/locomo_ingest_cpu.json"))
     args = parser.parse_args()
 
-    from actors.memory_shard import MemoryShard
-    from actors.settings import MemorySettings
+    from memory.shard import MemoryShard
+    from memory.settings import MemorySettings
     from connector.engine_config import kv_transfer_config
     from serve_app.engine import build_offline_engine
-    from serve_app.local_redis import LocalRedis
-    from serve_app.offline_models import prepare_smollm2
+    from devtools.local_redis import LocalRedis
+    from devtools.offline_models import prepare_smollm2
     from serve_app.settings import EngineSettings
 
     sample = json.loads(args.locomo.read_text())[args.conversation]
@@ -123,7 +123,7 @@ def main() -> None:
     engine_settings = EngineSettings(dtype=args.dtype, max_model_len=4096, multiprocess=False)
     llm = build_offline_engine(engine_settings, model, kv_transfer_config=kv_transfer_config(shard.arena_path()))
     try:
-        result = asyncio.run(ingest(shard, llm, f"locomo-{sample['sample_id']}", turns, facts, args.batch))
+        result = asyncio.run(ingest(ShardClient.in_process(shard), llm, f"locomo-{sample['sample_id']}", turns, facts, args.batch))
         stats = shard.stats()
     finally:
         shard.arena.close()

@@ -47,8 +47,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from actors.embedder import Embedder
-from actors.vector_index import ExactIndex
+from memory.embedder import Embedder
+from memory.index import ExactIndex
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LOCOMO = ROOT.parent / "shared" / "data" / "locomo" / "locomo8.json"

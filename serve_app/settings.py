@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from actors.settings import MemorySettings
+from memory.settings import MemorySettings
 
 
 class EngineSettings(BaseModel):
@@ -61,6 +61,9 @@ class ServiceSettings(BaseSettings):
     )
     llm_replica_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per LLM replica.")
     llm_replica_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per LLM replica (fractional allowed).")
+    shard_call_timeout_s: float = Field(
+        30.0, gt=0, description="Most seconds a replica waits for its memory shard actor on one call."
+    )
     shard_num_gpus: float = Field(
         0.0,
         ge=0,
@@ -88,6 +91,6 @@ class ServiceSettings(BaseSettings):
         """The model folder to serve (the converted SmolLM2 unless one is configured)."""
         if self.engine.model:
             return self.engine.model
-        from serve_app.offline_models import smollm2_path
+        from devtools.offline_models import smollm2_path
 
         return str(smollm2_path())

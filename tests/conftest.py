@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from serve_app.local_redis import LocalRedis
+from devtools.local_redis import LocalRedis
 from serve_app.settings import EngineSettings
 from tests.tiny_models import ROTARY_FAMILIES, write_tiny_model
 
@@ -66,14 +66,14 @@ def rotary_family(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from serve_app.offline_models import prepare_smollm2
+    from devtools.offline_models import prepare_smollm2
 
     return prepare_smollm2()
 
 
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
-    from serve_app.offline_models import minilm_path
+    from devtools.offline_models import minilm_path
 
     return minilm_path()
 

@@ -11,10 +11,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from connector.composition import ComposedPrompt, StoredSegment, compose
-from connector.engine_config import arena_geometry_for, kv_transfer_config
-from connector.fact_arena import EntryRef, FactArena
-from connector.params import EntryPlacement, KVMemoryParams
+from memory.composition import ComposedPrompt, StoredSegment, compose
+from kvarena.arena import arena_geometry_for
+from connector.engine_config import kv_transfer_config
+from kvarena.arena import EntryRef, FactArena
+from kvarena.params import EntryPlacement, KVMemoryParams
 
 
 def make_arena(model_dir: Path, dtype: str = "float32", **capacity) -> FactArena:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from connector.params import EntryPlacement, KVMemoryParams
+from kvarena.params import EntryPlacement, KVMemoryParams
 from tests.connector_harness import (
     CaptureJob,
     capture_batch,

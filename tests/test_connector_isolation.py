@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from connector.composition import compose
-from connector.params import EntryPlacement, KVMemoryParams
+from memory.composition import compose
+from kvarena.params import EntryPlacement, KVMemoryParams
 from tests.connector_harness import (
     CaptureJob,
     capture_batch,
@@ -134,7 +134,7 @@ def test_sixteen_concurrent_users_each_get_their_own_memory_through_asyncllm(tin
                 for u in users
             ]
             await asyncio.gather(*captures)
-            from connector.composition import StoredSegment
+            from memory.composition import StoredSegment
 
             composed = {}
             for u in users:

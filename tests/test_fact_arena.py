@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from connector.fact_arena import ArenaError, ArenaFull, ArenaGeometry, FactArena
+from kvarena.arena import ArenaError, ArenaFull, ArenaGeometry, FactArena
 
 GEOMETRY = ArenaGeometry(num_layers=2, num_kv_heads=2, head_size=32, dtype="float32", page_tokens=8, num_pages=8, max_entries=4, max_pages_per_entry=4)
 
@@ -93,8 +93,8 @@ def test_open_checks_geometry(tmp_path) -> None:
 def test_worker_skips_a_capture_whose_entry_was_released_and_reallocated(tmp_path) -> None:
     """A capture planned for (entry, generation) must not write once the owner (say, a restarted
     shard) released that entry and gave its pages to another fact."""
-    from connector.kv_memory_connector import _WorkerSide
-    from connector.params import CaptureOp, KVMemoryConnectorMetadata
+    from connector.worker import KVMemoryWorker
+    from connector.metadata import CaptureOp, KVMemoryConnectorMetadata
 
     arena = FactArena.create(tmp_path / "arena", ArenaGeometry(num_layers=1, num_kv_heads=1, head_size=4, dtype="float32", page_tokens=4, num_pages=4, max_entries=4))
     stale = arena.allocate([1, 2, 3], encode_start=0)
@@ -103,7 +103,7 @@ def test_worker_skips_a_capture_whose_entry_was_released_and_reallocated(tmp_pat
     assert fresh.entry_id == stale.entry_id and fresh.generation == stale.generation + 1
     view = arena.writing_view(fresh.entry_id, fresh.generation)
     arena.kv[0, view.token_slots] = 5.0
-    worker = _WorkerSide(arena, repositioner=None)
+    worker = KVMemoryWorker(arena, repositioner=None)
     op = CaptureOp("req", np.arange(3), view.token_slots, stale.entry_id, stale.generation)
     worker.capture(KVMemoryConnectorMetadata(captures=[op]))  # would need a paged cache if it wrote
     assert torch.equal(arena.kv[0, view.token_slots], torch.full((3, 2, 1, 4), 5.0))
@@ -133,11 +133,11 @@ def test_scheduler_falls_back_when_an_entry_would_move_beyond_the_rotary_table(a
     injection up front (a prefill, entries unpinned) instead of failing the engine step."""
     import types
 
-    from connector.kv_memory_connector import _SchedulerSide
-    from connector.params import EntryPlacement, KVMemoryParams
+    from connector.scheduler import KVMemoryScheduler
+    from kvarena.params import EntryPlacement, KVMemoryParams
 
     tokens = list(range(7, 19))
-    side = _SchedulerSide(arena, block_size=8, max_distance=20)
+    side = KVMemoryScheduler(arena, block_size=8, max_distance=20)
 
     def offered(encode_start: int) -> tuple[int, int]:
         ref = arena.allocate(tokens, encode_start=encode_start)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.fact_store import FactStore, NewFact, Turn, UnknownFact
+from memory.fact_store import FactStore, NewFact, Turn, UnknownFact
 
 
 @pytest.fixture()

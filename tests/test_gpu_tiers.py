@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from connector.gpu_tiers import DeviceTierMap, layer_groups
+from connector.device_tier import DeviceTierMap, layer_groups
 
 
 def test_tier_map_tags_promotion_and_lru() -> None:

@@ -15,15 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.encoder import EncodeDriver
-from actors.fact_store import NewFact
-from actors.memory_shard import MemoryShard
-from actors.settings import ArenaCapacity, MemorySettings
-from actors.vector_index import IndexSettings
+from actors.shard_client import ShardClient
+from serve_app.encode_driver import EncodeDriver
+from memory.fact_store import NewFact
+from memory.shard import MemoryShard
+from memory.settings import ArenaCapacity, MemorySettings
+from memory.index import IndexSettings
 from bench.ingest_locomo import conversation_turns, ingest, observation_facts
 from connector.engine_config import kv_transfer_config
-from connector.fact_arena import EntryRef
-from connector.params import KVMemoryParams
+from kvarena.arena import EntryRef
+from kvarena.params import KVMemoryParams
 from tests.connector_harness import sampling, tokens_prompt
 
 pytestmark = pytest.mark.slow
@@ -57,7 +58,7 @@ class Memory:
         self.settings = shard_settings(window_turns)
         self.shard = MemoryShard(0, self.settings, str(smollm2_dir), "float32", redis_url, namespace=uuid.uuid4().hex[:8])
         self.llm = engine_factory.offline(smollm2_dir, kv_transfer_config=kv_transfer_config(self.shard.arena_path()))
-        self.driver = EncodeDriver(self.shard, self.llm)
+        self.driver = EncodeDriver(ShardClient.in_process(self.shard), self.llm)
 
     def add(self, user: str, *texts: str) -> list[str]:
         results = self.shard.add_facts(user, [NewFact(text=t) for t in texts])
@@ -189,7 +190,7 @@ def test_ingest_locomo_shaped_conversation_with_windows(engine_factory, smollm2_
     try:
         turns, facts = conversation_turns(sample), observation_facts(sample)
         assert [t.turn_id for t in turns][-1] == "D2:1" and "a photo of a cat" in turns[-1].text
-        result = asyncio.run(ingest(m.shard, m.llm, "ann", turns, facts, batch=2, progress=False))
+        result = asyncio.run(ingest(ShardClient.in_process(m.shard), m.llm, "ann", turns, facts, batch=2, progress=False))
         assert result["facts"] == 4 and result["facts_per_s"] > 0
         stats = m.shard.stats()
         assert stats["facts"] == stats["facts_with_kv"] == 4 and stats["pending_encodes"] == 0
@@ -202,7 +203,7 @@ def test_ingest_locomo_shaped_conversation_with_windows(engine_factory, smollm2_
         assert starts["Ann waters plants daily."] == prefix + len(window) > prefix
         assert starts["Ann adopted a cat."] > prefix  # the window crosses the session boundary
         # re-ingesting acknowledges the same facts and adds nothing
-        again = asyncio.run(ingest(m.shard, m.llm, "ann", turns, facts, batch=4, progress=False))
+        again = asyncio.run(ingest(ShardClient.in_process(m.shard), m.llm, "ann", turns, facts, batch=4, progress=False))
         assert sorted(again["fact_ids"]) == sorted(result["fact_ids"]) and len(m.shard.get_all("ann")) == 4
         assert np.isfinite(m.shard.stats()["host_bytes_used"])
     finally:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors.extraction import parse_facts
-from actors.fact_store import Turn
-from actors.prompting import PromptLayout, extraction_schema
+from serve_app.extraction import parse_facts
+from memory.fact_store import Turn
+from memory.prompting import PromptLayout, extraction_schema
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from serve_app.local_redis import free_loopback_port
+from devtools.local_redis import free_loopback_port
 
 pytestmark = pytest.mark.slow
 
@@ -195,7 +195,7 @@ def test_streamed_chat_equals_the_whole_answer(served_app: str) -> None:
 def test_concurrent_users_on_two_shards_only_ever_see_their_own_memory(served_app: str, redis_server) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from actors.fact_store import FactStore
+    from memory.fact_store import FactStore
 
     users = [f"conc-{i}" for i in range(6)]
     pets = ["parrot", "hamster", "iguana", "rabbit", "tortoise", "ferret"]

@@ -12,8 +12,9 @@ import uuid
 
 import pytest
 
-from actors.fact_store import NewFact, Turn
+from memory.fact_store import NewFact, Turn
 from actors.shard_actor import start_shard_actor
+from actors.shard_client import ShardClient
 from bench.ingest_locomo import ingest
 from connector.engine_config import kv_transfer_config
 from tests.test_memory_shard import run_plan, shard_settings
@@ -47,7 +48,7 @@ def test_kill_mid_ingest_then_every_acknowledged_fact_is_back(ray_session, engin
                 ray.kill(shard, no_restart=False)  # Ray restarts it; in-flight calls are retried
                 killed.append(acked)
 
-        result = asyncio.run(ingest(shard, llm, "dana", turns, facts, batch=4, progress=False, after_batch=kill_once))
+        result = asyncio.run(ingest(ShardClient(shard, timeout_s=300), llm, "dana", turns, facts, batch=4, progress=False, after_batch=kill_once))
         assert killed == [12]
         second = ray.get(shard.ready.remote())
         assert second["pid"] != first["pid"] and second["arena"] == first["arena"]

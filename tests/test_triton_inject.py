@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from connector.fact_arena import ArenaGeometry, FactArena
+from kvarena.arena import ArenaGeometry, FactArena
 from connector.layouts import FlashAttnLayout
 from connector.rotary import KeyRepositioner
 
@@ -154,7 +154,7 @@ def _arena(tmp_path, dtype: str, head_size: int, heads: int, layers: int) -> Fac
 
 def test_gpu_injector_tiers_match_the_torch_path(ti, shm_path) -> None:
     """Misses (host tier, staged, promoted), hits (HBM tier), LRU eviction, stale pages, capture."""
-    from connector.gpu_tiers import GpuInjector
+    from connector.gpu_injector import GpuInjector
 
     heads, head_size, layers = 2, 64, 3
     arena = _arena(shm_path, "float32", head_size, heads, layers)
@@ -235,7 +235,7 @@ def test_gpu_injector_tiers_match_the_torch_path(ti, shm_path) -> None:
 
 def test_gpu_injector_host_tier_only(ti, shm_path) -> None:
     """device_pages=0: every injection is staged from the host tier; bf16 cache."""
-    from connector.gpu_tiers import GpuInjector
+    from connector.gpu_injector import GpuInjector
 
     heads, head_size, layers = 3, 64, 2
     arena = _arena(shm_path, "bfloat16", head_size, heads, layers)

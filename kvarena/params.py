@@ -1,4 +1,6 @@
-"""Per-request connector parameters (the `kvmem` key of kv_transfer_params) and step metadata.
+"""Per-request memory parameters: the `kvmem` key of kv_transfer_params (no vLLM, no torch).
+
+The contract between whoever plans a request (the memory shard) and the connector that runs it.
 
 A request names its memory operations in SamplingParams(extra_args={"kv_transfer_params":
 {"kvmem": {...}}}) (or the `kv_transfer_params` field of an OpenAI request body):
@@ -17,13 +19,9 @@ capture: after the prompt is computed, copy the KV of prompt tokens [start, star
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 PARAMS_KEY = "kvmem"
 
@@ -51,30 +49,3 @@ class KVMemoryParams(BaseModel):
 
     def to_kv_transfer_params(self) -> dict[str, Any]:
         return {PARAMS_KEY: self.model_dump(exclude_none=True)}
-
-
-@dataclass
-class InjectOp:
-    """Copy arena token slots into paged-cache slots, rotating keys by `distances`."""
-
-    req_id: str
-    arena_slots: np.ndarray  # [T] int64, token axis of the arena
-    cache_slots: np.ndarray  # [T] int64, block_id * block_size + offset
-    distances: np.ndarray  # [T] int64, serving position - encode position
-
-
-@dataclass
-class CaptureOp:
-    """Copy paged-cache slots into arena token slots (keys stay as computed)."""
-
-    req_id: str
-    cache_slots: np.ndarray
-    arena_slots: np.ndarray
-    entry: int = -1  # the target entry and generation: the worker writes only while it is still
-    generation: int = 0  # WRITING (its owner may have released and re-allocated it meanwhile)
-
-
-@dataclass
-class KVMemoryConnectorMetadata(KVConnectorMetadata):
-    injects: list[InjectOp] = field(default_factory=list)
-    captures: list[CaptureOp] = field(default_factory=list)

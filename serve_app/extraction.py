@@ -13,8 +13,8 @@ import logging
 import uuid
 from typing import Any, Sequence
 
-from actors.fact_store import NewFact, Turn
-from actors.prompting import PromptLayout, extraction_schema
+from memory.fact_store import NewFact, Turn
+from memory.prompting import PromptLayout, extraction_schema
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,14 @@ are resident in `page_device` (one int32 per page: the device slot, -1 when host
 owner can account bytes per tier (usage()). Only the worker writes that table, except that
 freeing a page resets it.
 
+Layers (one module each, every one importable without vLLM):
+    kvarena.geometry  ArenaGeometry (header.json), arena_geometry_for, ArenaError, ArenaFull
+    kvarena.tables    tables.bin's numpy layouts (entry table, page owners, token ids, page
+                      residency), EntryRef / EntryView, entry states, the lock (ArenaTables)
+    kvarena.arena     FactArena: the allocator, pin/unpin, commit/release and the KV pages
+                      tensor (kv.bin; torch is imported when an arena is opened)
+The names of the lower layers are re-exported here.
+
 Entry life cycle: FREE -> WRITING (allocated, capture in flight) -> LIVE (committed) ->
 RETIRED (released by the owner while a request still pins it) -> FREE. A pinned entry is
 never freed: release() of a pinned entry only retires it, and the last unpin frees it.
@@ -32,134 +40,39 @@ never freed: release() of a pinned entry only retires it, and the last unpin fre
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import threading
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-FREE, WRITING, LIVE, RETIRED = 0, 1, 2, 3
-STATE_NAMES = {FREE: "free", WRITING: "writing", LIVE: "live", RETIRED: "retired"}
+from kvarena.geometry import ArenaError, ArenaFull, ArenaGeometry, arena_geometry_for
+from kvarena.tables import FREE, LIVE, RETIRED, STATE_NAMES, WRITING, ArenaTables, EntryRef, EntryView, entry_dtype, table_sizes
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
 
-
-class ArenaError(RuntimeError):
-    """Misuse of the arena (geometry mismatch, unknown entry, stale generation)."""
-
-
-class ArenaFull(ArenaError):
-    """No free entry or not enough free pages for an allocation."""
-
-
-@dataclass(frozen=True)
-class ArenaGeometry:
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
-    page_tokens: int = 64
-    num_pages: int = 1024
-    max_entries: int = 4096
-    max_pages_per_entry: int = 64
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-    @property
-    def num_token_slots(self) -> int:
-        return self.num_pages * self.page_tokens
-
-    @property
-    def max_entry_tokens(self) -> int:
-        return self.max_pages_per_entry * self.page_tokens
-
-    def kv_bytes(self) -> int:
-        element = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.num_layers * self.num_token_slots * 2 * self.num_kv_heads * self.head_size * element
-
-    @classmethod
-    def for_model(cls, hf_config, dtype: str, **capacity) -> "ArenaGeometry":
-        """Geometry for a Hugging Face config (text models with standard attention)."""
-        text = getattr(hf_config, "text_config", None) or hf_config
-        head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        return cls(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype, **capacity)
+__all__ = [
+    "FREE", "WRITING", "LIVE", "RETIRED", "STATE_NAMES",
+    "ArenaError", "ArenaFull", "ArenaGeometry", "arena_geometry_for",
+    "ArenaTables", "EntryRef", "EntryView", "entry_dtype", "table_sizes",
+    "FactArena",
+]  # fmt: skip
 
 
-@dataclass(frozen=True)
-class EntryRef:
-    """A handle on one arena entry: the id and the generation it was allocated with."""
-
-    entry_id: int
-    generation: int
-
-
-@dataclass(frozen=True)
-class EntryView:
-    """What a reader needs to inject an entry (a snapshot taken under the lock)."""
-
-    entry_id: int
-    generation: int
-    state: int
-    n_tokens: int
-    encode_start: int
-    token_slots: np.ndarray  # [n_tokens] int64 indices into the kv tensor's token axis
-
-
-def _entry_dtype(max_pages: int) -> np.dtype:
-    return np.dtype(
-        [
-            ("state", np.int32),
-            ("pins", np.int32),
-            ("generation", np.int64),
-            ("n_tokens", np.int32),
-            ("encode_start", np.int32),
-            ("n_pages", np.int32),
-            ("pages", np.int32, (max_pages,)),
-        ]
-    )
-
-
-def _table_sizes(g: ArenaGeometry) -> list[int]:
-    """Byte sizes of the tables in tables.bin: entries, page owners, token ids, page residency."""
-    return [g.max_entries * _entry_dtype(g.max_pages_per_entry).itemsize, g.num_pages * 4, g.num_token_slots * 4, g.num_pages * 4]
-
-
-class FactArena:
+class FactArena(ArenaTables):
     """Shared-memory fact KV arena (see the module docstring). Open with create() or open()."""
 
     def __init__(self, path: Path, geometry: ArenaGeometry) -> None:
-        self.path = Path(path)
-        self.geometry = geometry
+        import torch
+
+        super().__init__(path, geometry)
         g = geometry
-        entry_dtype = _entry_dtype(g.max_pages_per_entry)
-        sizes = _table_sizes(g)
-        found = (self.path / "tables.bin").stat().st_size
-        if found != sum(sizes):  # written by another version: the owner rebuilds a derived arena
-            raise ArenaError(f"arena tables at {self.path} hold {found} bytes, this version expects {sum(sizes)}")
-        self._tables = np.memmap(self.path / "tables.bin", dtype=np.uint8, mode="r+", shape=(sum(sizes),))
-        offset = 0
-        self.entries = np.ndarray((g.max_entries,), dtype=entry_dtype, buffer=self._tables, offset=offset)
-        offset += sizes[0]
-        self.page_owner = np.ndarray((g.num_pages,), dtype=np.int32, buffer=self._tables, offset=offset)
-        offset += sizes[1]
-        self.token_ids = np.ndarray((g.num_token_slots,), dtype=np.int32, buffer=self._tables, offset=offset)
-        offset += sizes[2]
-        # device slot of each page in the engine worker's HBM tier, -1 when host only
-        self.page_device = np.ndarray((g.num_pages,), dtype=np.int32, buffer=self._tables, offset=offset)
         numel = g.num_layers * g.num_token_slots * 2 * g.num_kv_heads * g.head_size
         flat = torch.from_file(str(self.path / "kv.bin"), shared=True, size=numel, dtype=g.torch_dtype)
         self.kv = flat.view(g.num_layers, g.num_token_slots, 2, g.num_kv_heads, g.head_size)
-        self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        self._thread_lock = threading.Lock()  # flock does not exclude threads sharing the fd
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -174,7 +87,7 @@ class FactArena:
             return arena
         path.mkdir(parents=True, exist_ok=True)
         with open(path / "tables.bin", "wb") as f:
-            f.truncate(sum(_table_sizes(geometry)))
+            f.truncate(sum(table_sizes(geometry)))
         with open(path / "kv.bin", "wb") as f:
             f.truncate(geometry.kv_bytes())  # sparse: pages cost memory when first written
         arena = cls(path, geometry)
@@ -193,20 +106,6 @@ class FactArena:
         except FileNotFoundError as exc:
             raise ArenaError(f"no fact arena at {path}") from exc
         return cls(path, geometry)
-
-    def close(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        with self._thread_lock:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     # ------------------------------------------------------------------ owner side
     def allocate(self, token_ids: list[int] | np.ndarray, encode_start: int) -> EntryRef:
@@ -334,8 +233,10 @@ class FactArena:
     def entry_token_ids(self, view: EntryView) -> np.ndarray:
         return self.token_ids[view.token_slots].copy()
 
-    def entry_kv(self, view: EntryView) -> torch.Tensor:
+    def entry_kv(self, view: EntryView) -> "torch.Tensor":
         """[num_layers, n_tokens, 2, kv_heads, head_size] copy of an entry's KV."""
+        import torch
+
         return self.kv.index_select(1, torch.from_numpy(view.token_slots))
 
     def state_of(self, ref: EntryRef) -> str:
@@ -369,39 +270,3 @@ class FactArena:
         if len(pages):
             with self.locked():
                 self.page_device[pages] = slots
-
-    # ------------------------------------------------------------------ internals
-    def _record(self, ref: EntryRef):
-        if not 0 <= ref.entry_id < self.geometry.max_entries:
-            raise ArenaError(f"unknown entry {ref.entry_id}")
-        record = self.entries[ref.entry_id]
-        if int(record["generation"]) != ref.generation:
-            raise ArenaError(f"entry {ref.entry_id} generation {ref.generation} is stale")
-        return record
-
-    def _free(self, entry_id: int) -> None:
-        record = self.entries[entry_id]
-        pages = record["pages"][: record["n_pages"]]
-        self.page_owner[pages] = -1
-        self.page_device[pages] = -1  # the worker's copy is stale now (it checks generations)
-        record["n_pages"] = 0
-        record["n_tokens"] = 0
-        record["state"] = FREE
-
-    def _token_slots(self, pages: np.ndarray, n_tokens: int) -> np.ndarray:
-        page_tokens = self.geometry.page_tokens
-        slots = (pages.astype(np.int64)[:, None] * page_tokens + np.arange(page_tokens)).reshape(-1)
-        return slots[:n_tokens]
-
-    def _view(self, entry_id: int) -> EntryView:
-        record = self.entries[entry_id]
-        n_pages = int(record["n_pages"])
-        n_tokens = int(record["n_tokens"])
-        return EntryView(
-            entry_id=entry_id,
-            generation=int(record["generation"]),
-            state=int(record["state"]),
-            n_tokens=n_tokens,
-            encode_start=int(record["encode_start"]),
-            token_slots=self._token_slots(record["pages"][:n_pages].copy(), n_tokens),
-        )

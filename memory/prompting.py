@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from actors.fact_store import Turn
+from memory.fact_store import Turn
 
 MEMORY_MARKER = "\u2063KVMEM_MEMORY\u2063"
 

@@ -1,0 +1,148 @@
+"""Arena tables: the numpy layouts of tables.bin and the lock that guards every change to them.
+
+Layer 2 of the arena (kvarena.arena's docstring names all three). tables.bin holds, in order:
+
+    entries     one record per entry: state, pins, generation, n_tokens, encode_start, pages
+    page_owner  int32 per page: the owning entry, -1 when free
+    token_ids   int32 per token slot: the token each slot holds KV for
+    page_device int32 per page: the engine worker's HBM-tier slot, -1 when host only
+
+ArenaTables maps them (numpy views of one memmap), owns the `lock` file (fcntl) and a thread
+lock, and has the record-level helpers the arena's operations share. No torch, no vLLM.
+
+Entry states: FREE -> WRITING (allocated, capture in flight) -> LIVE (committed) ->
+RETIRED (released while pinned) -> FREE.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from kvarena.geometry import ArenaError, ArenaGeometry
+
+FREE, WRITING, LIVE, RETIRED = 0, 1, 2, 3
+STATE_NAMES = {FREE: "free", WRITING: "writing", LIVE: "live", RETIRED: "retired"}
+
+
+@dataclass(frozen=True)
+class EntryRef:
+    """A handle on one arena entry: the id and the generation it was allocated with."""
+
+    entry_id: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class EntryView:
+    """What a reader needs to inject an entry (a snapshot taken under the lock)."""
+
+    entry_id: int
+    generation: int
+    state: int
+    n_tokens: int
+    encode_start: int
+    token_slots: np.ndarray  # [n_tokens] int64 indices into the kv tensor's token axis
+
+
+def entry_dtype(max_pages: int) -> np.dtype:
+    """The numpy record type of one entry of the entry table."""
+    return np.dtype(
+        [
+            ("state", np.int32),
+            ("pins", np.int32),
+            ("generation", np.int64),
+            ("n_tokens", np.int32),
+            ("encode_start", np.int32),
+            ("n_pages", np.int32),
+            ("pages", np.int32, (max_pages,)),
+        ]
+    )
+
+
+def table_sizes(g: ArenaGeometry) -> list[int]:
+    """Byte sizes of the tables in tables.bin: entries, page owners, token ids, page residency."""
+    return [g.max_entries * entry_dtype(g.max_pages_per_entry).itemsize, g.num_pages * 4, g.num_token_slots * 4, g.num_pages * 4]
+
+
+class ArenaTables:
+    """The mapped tables of an arena directory (tables.bin) and its lock."""
+
+    def __init__(self, path: Path, geometry: ArenaGeometry) -> None:
+        self.path = Path(path)
+        self.geometry = geometry
+        g = geometry
+        record_dtype = entry_dtype(g.max_pages_per_entry)
+        sizes = table_sizes(g)
+        found = (self.path / "tables.bin").stat().st_size
+        if found != sum(sizes):  # written by another version: the owner rebuilds a derived arena
+            raise ArenaError(f"arena tables at {self.path} hold {found} bytes, this version expects {sum(sizes)}")
+        self._tables = np.memmap(self.path / "tables.bin", dtype=np.uint8, mode="r+", shape=(sum(sizes),))
+        offset = 0
+        self.entries = np.ndarray((g.max_entries,), dtype=record_dtype, buffer=self._tables, offset=offset)
+        offset += sizes[0]
+        self.page_owner = np.ndarray((g.num_pages,), dtype=np.int32, buffer=self._tables, offset=offset)
+        offset += sizes[1]
+        self.token_ids = np.ndarray((g.num_token_slots,), dtype=np.int32, buffer=self._tables, offset=offset)
+        offset += sizes[2]
+        # device slot of each page in the engine worker's HBM tier, -1 when host only
+        self.page_device = np.ndarray((g.num_pages,), dtype=np.int32, buffer=self._tables, offset=offset)
+        self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self._thread_lock = threading.Lock()  # flock does not exclude threads sharing the fd
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        with self._thread_lock:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    # ------------------------------------------------------------------ record helpers
+    def _record(self, ref: EntryRef):
+        if not 0 <= ref.entry_id < self.geometry.max_entries:
+            raise ArenaError(f"unknown entry {ref.entry_id}")
+        record = self.entries[ref.entry_id]
+        if int(record["generation"]) != ref.generation:
+            raise ArenaError(f"entry {ref.entry_id} generation {ref.generation} is stale")
+        return record
+
+    def _free(self, entry_id: int) -> None:
+        record = self.entries[entry_id]
+        pages = record["pages"][: record["n_pages"]]
+        self.page_owner[pages] = -1
+        self.page_device[pages] = -1  # the worker's copy is stale now (it checks generations)
+        record["n_pages"] = 0
+        record["n_tokens"] = 0
+        record["state"] = FREE
+
+    def _token_slots(self, pages: np.ndarray, n_tokens: int) -> np.ndarray:
+        page_tokens = self.geometry.page_tokens
+        slots = (pages.astype(np.int64)[:, None] * page_tokens + np.arange(page_tokens)).reshape(-1)
+        return slots[:n_tokens]
+
+    def _view(self, entry_id: int) -> EntryView:
+        record = self.entries[entry_id]
+        n_pages = int(record["n_pages"])
+        n_tokens = int(record["n_tokens"])
+        return EntryView(
+            entry_id=entry_id,
+            generation=int(record["generation"]),
+            state=int(record["state"]),
+            n_tokens=n_tokens,
+            encode_start=int(record["encode_start"]),
+            token_slots=self._token_slots(record["pages"][:n_pages].copy(), n_tokens),
+        )

@@ -1,0 +1,97 @@
+"""The chat planner: turns retrieved facts and a conversation into the prompt an engine runs.
+
+A plan is [instruction prefix][facts, least relevant first][conversation + generation prompt]
+(memory.composition). In mode "kv" the facts with live KV (and the prefix) are injected by the
+connector and the rest are prefilled as text right after them; mode "prompt" prefills the same
+token ids (Mem0-style prompt injection); mode "none" is the plain conversation. No Ray, no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from memory.composition import StoredSegment, compose
+from memory.kv_lifecycle import FactKVLifecycle
+from memory.prompting import PromptLayout
+
+
+@dataclass
+class MemoryHit:
+    fact_id: str
+    text: str
+    score: float
+    source_id: str | None = None
+
+
+@dataclass
+class ChatPlan:
+    """A memory-conditioned prompt: token ids, and what to hand the engine for KV injection."""
+
+    prompt_token_ids: list[int]
+    mode: str  # "kv" | "prompt" | "none"
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    facts: list[MemoryHit] = field(default_factory=list)
+    injected_tokens: int = 0  # tokens the connector will supply (prefix + facts with KV)
+    prefilled_fact_ids: list[str] = field(default_factory=list)  # retrieved but without KV yet
+
+
+def fit_to_context(hits: list[MemoryHit], kv: FactKVLifecycle, room: int) -> list[MemoryHit]:
+    """The most relevant hits whose tokens fit in `room` tokens (hits are most relevant first)."""
+    kept: list[MemoryHit] = []
+    for hit in hits:
+        room -= len(kv.facts[hit.fact_id].segment_ids)
+        if room < 0:
+            break
+        kept.append(hit)
+    return kept
+
+
+def plan_chat(
+    *,
+    layout: PromptLayout,
+    kv: FactKVLifecycle,
+    hits: list[MemoryHit],
+    messages: Sequence[dict[str, str]],
+    mode: str,
+    salt_namespace: str,
+    max_prompt_tokens: int | None = None,
+) -> ChatPlan:
+    """The plan for `messages` conditioned on `hits` (most relevant first); see the module docstring.
+
+    max_prompt_tokens: the least relevant facts are left out until the prompt fits (the caller
+    rejects a conversation that does not fit even without memory). salt_namespace names the
+    user (and memory) whose injected KV the prompt's cached blocks may be shared with.
+    """
+    if mode == "none":
+        return ChatPlan(prompt_token_ids=layout.plain_prompt_ids(messages), mode=mode)
+    suffix = layout.suffix_ids(messages)
+    if max_prompt_tokens is not None:
+        hits = fit_to_context(hits, kv, max_prompt_tokens - len(layout.prefix_ids) - len(suffix))
+    ordered = list(reversed(hits))  # least relevant first, most relevant next to the query
+    if mode == "prompt" or kv.prefix.ref is None:
+        tokens = list(layout.prefix_ids)
+        for hit in ordered:
+            tokens += layout.fact_ids(hit.text)
+        return ChatPlan(prompt_token_ids=tokens + suffix, mode="prompt", facts=hits)
+    segments = [StoredSegment(kv.prefix.ref, kv.prefix.segment_ids)]
+    pending: list[int] = []
+    pending_ids: list[str] = []
+    for hit in ordered:
+        state = kv.use(hit.fact_id)
+        if state.ref is not None:
+            segments.append(StoredSegment(state.ref, state.segment_ids))
+        else:
+            pending += state.segment_ids
+            pending_ids.append(hit.fact_id)
+    composed = compose(segments, pending + suffix, namespace=salt_namespace)
+    return ChatPlan(
+        prompt_token_ids=composed.prompt_token_ids,
+        mode="kv",
+        kv_transfer_params=composed.kv_transfer_params(),
+        cache_salt=composed.cache_salt,
+        facts=hits,
+        injected_tokens=composed.memory_end,
+        prefilled_fact_ids=pending_ids,
+    )
