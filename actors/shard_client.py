@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Sequence, TypeVar
 
 from memory.fact_store import FactEvent, FactRecord, NewFact, Turn
 from memory.planner import ChatPlan, MemoryHit
-from memory.kv_lifecycle import EncodeJob
+from memory.kv_lifecycle import EncodeJob, EncodeOutcome
 
 T = TypeVar("T")
 
@@ -120,5 +120,11 @@ class ShardClient:
     async def take_encode_jobs(self, max_jobs: int | None = None) -> list[EncodeJob]:
         return await self._wait(self.actor.take_encode_jobs.remote(max_jobs))
 
-    async def complete_encode_jobs(self, outcomes: dict[str, bool]) -> int:
+    async def complete_encode_jobs(self, outcomes: dict[str, EncodeOutcome]) -> int:
         return await self._wait(self.actor.complete_encode_jobs.remote(outcomes))
+
+    async def encode_pending(self, fact_ids: Sequence[str]) -> list[str]:
+        return await self._wait(self.actor.encode_pending.remote(list(fact_ids)))
+
+    async def health(self, timeout_s: float | None = None) -> str:
+        return await self._wait(self.actor.health.remote(), timeout_s)

@@ -4,7 +4,8 @@ KVMemoryScheduler validates a request's kvmem operations (kvarena.params) agains
 pins the entries it injects (unpinned in request_finished), tells vLLM how many prompt tokens
 the connector provides, and turns each step's scheduled requests into slot-level InjectOp /
 CaptureOp lists (connector.metadata) for the worker half (connector.worker). Anything wrong with
-a request's memory makes it fall back to a plain prefill of its own prompt tokens.
+a request's memory makes it fall back to a plain prefill of its own prompt tokens. It is the
+only pinner of its arena, so when it starts it clears the pins a crashed engine left behind.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ class KVMemoryScheduler:
         self.max_distance = max_distance  # the worker's rotary table ends there
         self.plans: dict[str, RequestPlan] = {}
         self.fallbacks = 0
+        # This scheduler is the arena's only pinner: pins found now were taken by requests of an
+        # engine that died (they never finish), so they go, with the retired entries they held.
+        stale = arena.clear_pins()
+        if stale:
+            logger.warning("KV memory connector: released %d pins left by a previous engine", stale)
 
     # -------- planning
     def _plan(self, request: "Request") -> RequestPlan | None:

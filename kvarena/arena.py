@@ -35,7 +35,11 @@ The names of the lower layers are re-exported here.
 
 Entry life cycle: FREE -> WRITING (allocated, capture in flight) -> LIVE (committed) ->
 RETIRED (released by the owner while a request still pins it) -> FREE. A pinned entry is
-never freed: release() of a pinned entry only retires it, and the last unpin frees it.
+never freed: release() of a pinned entry only retires it, and the last unpin frees it. Pins
+live in shared memory and outlive a crashed engine: its successor's scheduler clears them
+(clear_pins) when it starts. Entries outlive a crashed owner too: each carries the owner's
+tag, and a restarted owner adopts the LIVE ones it recognises (live_entries) and releases
+the rest.
 """
 
 from __future__ import annotations
@@ -108,8 +112,11 @@ class FactArena(ArenaTables):
         return cls(path, geometry)
 
     # ------------------------------------------------------------------ owner side
-    def allocate(self, token_ids: list[int] | np.ndarray, encode_start: int) -> EntryRef:
-        """Reserve an entry and its pages for `token_ids` encoded from position `encode_start`."""
+    def allocate(self, token_ids: list[int] | np.ndarray, encode_start: int, tag: bytes = b"") -> EntryRef:
+        """Reserve an entry and its pages for `token_ids` encoded from position `encode_start`.
+        `tag` (at most 16 bytes) names what the entry holds, for a restarted owner (live_entries)."""
+        if len(tag) > 16:
+            raise ArenaError(f"an entry tag holds at most 16 bytes, got {len(tag)}")
         g = self.geometry
         n = len(token_ids)
         if n <= 0:
@@ -133,6 +140,7 @@ class FactArena(ArenaTables):
             record["n_pages"] = n_pages
             record["pages"][:n_pages] = pages
             record["pins"] = 0
+            record["tag"] = tag
             self.page_owner[pages] = entry_id
             self.token_ids[self._token_slots(pages, n)] = np.asarray(token_ids, dtype=np.int32)
             record["state"] = WRITING
@@ -158,7 +166,37 @@ class FactArena(ArenaTables):
             self._free(ref.entry_id)
             return True
 
+    def live_entries(self) -> list[tuple[EntryRef, bytes, np.ndarray]]:
+        """(ref, tag, token ids) of every LIVE entry: what a restarted owner may adopt instead of
+        encoding it again."""
+        with self.locked():
+            ids = np.flatnonzero(self.entries["state"] == LIVE)
+            views = [self._view(int(e)) for e in ids]
+            tags = self.entries["tag"][ids]
+            return [
+                (EntryRef(v.entry_id, v.generation), bytes(tag), self.token_ids[v.token_slots].copy())
+                for v, tag in zip(views, tags)
+            ]
+
+    def is_pinned(self, ref: EntryRef) -> bool:
+        """Whether a request holds the entry (releasing it now would only retire it)."""
+        record = self.entries[ref.entry_id]
+        return int(record["generation"]) == ref.generation and int(record["pins"]) > 0
+
     # ------------------------------------------------------------------ scheduler side
+    def clear_pins(self) -> int:
+        """Drop every pin and free the retired entries they held; returns how many pins there were.
+
+        Only an engine scheduler pins, and one engine serves an arena: when its scheduler starts,
+        every pin left belongs to requests of an engine that died, which will never unpin."""
+        with self.locked():
+            pins = self.entries["pins"]
+            held = int(pins.sum())
+            pins[:] = 0
+            for entry_id in np.flatnonzero(self.entries["state"] == RETIRED):
+                self._free(int(entry_id))
+            return held
+
     def pin(self, entry_id: int, generation: int) -> EntryView | None:
         """Pin a LIVE entry of this generation; None when it is unknown, stale or not live."""
         with self.locked():
@@ -258,6 +296,7 @@ class FactArena(ArenaTables):
             "entries_live": int((states == LIVE).sum()),
             "entries_writing": int((states == WRITING).sum()),
             "entries_retired": int((states == RETIRED).sum()),
+            "pins": int(self.entries["pins"].sum()),  # held by requests in the engine now
             "pages_used": pages_used,
             "pages_total": self.geometry.num_pages,
             "device_pages_resident": resident,  # also held in the worker's HBM tier

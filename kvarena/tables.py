@@ -2,7 +2,9 @@
 
 Layer 2 of the arena (kvarena.arena's docstring names all three). tables.bin holds, in order:
 
-    entries     one record per entry: state, pins, generation, n_tokens, encode_start, pages
+    entries     one record per entry: state, pins, generation, n_tokens, encode_start, tag
+                (16 bytes the owner chooses, so that a restarted owner recognises what it
+                may adopt), pages
     page_owner  int32 per page: the owning entry, -1 when free
     token_ids   int32 per token slot: the token each slot holds KV for
     page_device int32 per page: the engine worker's HBM-tier slot, -1 when host only
@@ -62,6 +64,7 @@ def entry_dtype(max_pages: int) -> np.dtype:
             ("n_tokens", np.int32),
             ("encode_start", np.int32),
             ("n_pages", np.int32),
+            ("tag", "S16"),  # the owner's name for what the entry holds (e.g. a digest of fact id and version)
             ("pages", np.int32, (max_pages,)),
         ]
     )
@@ -127,6 +130,7 @@ class ArenaTables:
         self.page_device[pages] = -1  # the worker's copy is stale now (it checks generations)
         record["n_pages"] = 0
         record["n_tokens"] = 0
+        record["tag"] = b""
         record["state"] = FREE
 
     def _token_slots(self, pages: np.ndarray, n_tokens: int) -> np.ndarray:

@@ -36,6 +36,13 @@ class ComposedPrompt:
         return self.params.to_kv_transfer_params()
 
 
+def scope_cache_salt(namespace: str) -> str:
+    """Prefix-cache salt of a request that injects nothing (prompt or no memory, encodes):
+    prefilled blocks are shared only among requests of the same scope (a user, or a key), so a
+    prefix-cache hit, or the `cached_tokens` it reports, never reveals another user's text."""
+    return f"kvmem-s-{hashlib.sha256(namespace.encode()).hexdigest()[:32]}"
+
+
 def memory_cache_salt(namespace: str, segments: Sequence[StoredSegment]) -> str:
     """Prefix-cache salt naming exactly which stored KV a prompt's blocks hold.
 

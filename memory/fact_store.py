@@ -5,15 +5,7 @@ restart. Every write is one Redis transaction (MULTI/EXEC), so a record, its pla
 user's set, its history event and its de-duplication key land together or not at all: a fact
 is acknowledged exactly when its transaction committed.
 
-Keys (prefix P, default "kvmem"):
-    P:fact:{id}               hash: the FactRecord fields (embedding as float32 bytes)
-    P:fact:{id}:history       list of JSON FactEvent, oldest first (kept after delete)
-    P:user:{u}:facts          set of the user's live fact ids
-    P:user:{u}:dedupe         hash sha1(text, source) -> fact id (re-adding returns the existing fact)
-    P:user:{u}:turns          hash turn id -> JSON Turn
-    P:user:{u}:turn_order     sorted set of turn ids by conversation order
-    P:user:{u}:shard          the shard holding the user's memory
-    P:shard:{s}:users         set of users assigned to shard s
+Key layout: memory.redis_keys.
 """
 
 from __future__ import annotations
@@ -27,6 +19,8 @@ from typing import Literal, Sequence
 import numpy as np
 import redis
 from pydantic import BaseModel, Field
+
+from memory.redis_keys import RedisKeys, stable_shard
 
 
 class UnknownFact(KeyError):
@@ -81,20 +75,24 @@ class FactStore:
     def __init__(self, client: redis.Redis, prefix: str = "kvmem") -> None:
         self.r = client
         self.p = prefix
+        self.keys = RedisKeys(prefix)
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "kvmem") -> "FactStore":
-        return cls(redis.Redis.from_url(url), prefix)
+    def from_url(cls, url: str, prefix: str = "kvmem", timeout_s: float = 5.0) -> "FactStore":
+        """A store over the Redis at `url`. Every command is bounded: `timeout_s` to connect and
+        per reply; a command that fails on the connection is retried (redis-py's default policy,
+        about 10 s in all), so a Redis restart stalls callers briefly instead of failing them."""
+        return cls(redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s), prefix)
 
     # ------------------------------------------------------------------ keys
     def _fact(self, fact_id: str) -> str:
-        return f"{self.p}:fact:{fact_id}"
+        return self.keys.fact(fact_id)
 
     def _history(self, fact_id: str) -> str:
-        return f"{self.p}:fact:{fact_id}:history"
+        return self.keys.history(fact_id)
 
     def _user(self, user_id: str, what: str) -> str:
-        return f"{self.p}:user:{user_id}:{what}"
+        return self.keys.user(user_id, what)
 
     # ------------------------------------------------------------------ shard assignment
     def shard_of(self, user_id: str, num_shards: int) -> int:
@@ -103,9 +101,9 @@ class FactStore:
         current = self.r.get(key)
         if current is not None:
             return int(current)
-        shard = int(hashlib.sha1(user_id.encode()).hexdigest(), 16) % num_shards
+        shard = stable_shard(user_id, num_shards)
         if self.r.set(key, shard, nx=True):
-            self.r.sadd(f"{self.p}:shard:{shard}:users", user_id)
+            self.r.sadd(self.keys.shard_users(shard), user_id)
             return shard
         return int(self.r.get(key))
 
@@ -114,12 +112,12 @@ class FactStore:
         refuses a user already held by another shard."""
         key = self._user(user_id, "shard")
         if self.r.set(key, shard, nx=True) or int(self.r.get(key)) == shard:
-            self.r.sadd(f"{self.p}:shard:{shard}:users", user_id)
+            self.r.sadd(self.keys.shard_users(shard), user_id)
             return
         raise ValueError(f"user {user_id!r} belongs to shard {int(self.r.get(key))}, not {shard}")
 
     def users_of_shard(self, shard: int) -> list[str]:
-        return sorted(u.decode() for u in self.r.smembers(f"{self.p}:shard:{shard}:users"))
+        return sorted(u.decode() for u in self.r.smembers(self.keys.shard_users(shard)))
 
     def user_of_fact(self, fact_id: str) -> str | None:
         user = self.r.hget(self._fact(fact_id), "user_id")
@@ -226,25 +224,39 @@ class FactStore:
         return new
 
     def delete(self, fact_id: str, user_id: str) -> FactRecord:
+        """Erase a fact: its text, source and embedding leave Redis, its history keeps the events
+        without text, and only the owner and a deletion mark stay (so the id keeps answering 404
+        to others and its history to its owner)."""
         old = self.get(fact_id, user_id)
         now = time.time()
+        events = [FactEvent.model_validate_json(x) for x in self.r.lrange(self._history(fact_id), 0, -1)]
+        events.append(FactEvent(event="DELETE", fact_id=fact_id, version=old.version, at=now))
         pipe = self.r.pipeline(transaction=True)
         pipe.srem(self._user(user_id, "facts"), fact_id)
         pipe.hdel(self._user(user_id, "dedupe"), self._dedupe_of(fact_id))
-        pipe.hset(self._fact(fact_id), mapping={"deleted": "1", "updated_at": now})
-        pipe.hdel(self._fact(fact_id), "embedding")
-        event = FactEvent(event="DELETE", fact_id=fact_id, version=old.version, old_text=old.text, at=now)
-        pipe.rpush(self._history(fact_id), event.model_dump_json())
+        pipe.delete(self._fact(fact_id))
+        pipe.hset(self._fact(fact_id), mapping={"user_id": json.dumps(user_id), "version": old.version, "deleted": "1", "updated_at": now})
+        pipe.delete(self._history(fact_id))
+        pipe.rpush(self._history(fact_id), *[e.model_copy(update={"old_text": None, "new_text": None}).model_dump_json() for e in events])
         pipe.execute()
         return old
 
     def delete_all(self, user_id: str) -> list[str]:
+        """Erase every fact of the user (as delete does), then the user's turns, de-duplication
+        keys and shard placement: nothing of the user's text is left in Redis."""
         ids = self.fact_ids(user_id)
         for fact_id in ids:
             try:
                 self.delete(fact_id, user_id)
             except UnknownFact:
                 pass  # deleted concurrently
+        shard = self.r.get(self._user(user_id, "shard"))
+        pipe = self.r.pipeline(transaction=True)
+        for what in ("facts", "dedupe", "turns", "turn_order", "shard"):
+            pipe.delete(self._user(user_id, what))
+        if shard is not None:
+            pipe.srem(self.keys.shard_users(int(shard)), user_id)
+        pipe.execute()
         return ids
 
     def history(self, fact_id: str, user_id: str | None = None) -> list[FactEvent]:

@@ -8,19 +8,28 @@ Layers, bottom up:
 
 Encoding needs the engine, which lives in the LLM replica, so jobs are handed out
 (take_jobs) and reported back (complete_jobs) by whoever drives the engine. No Ray, no vLLM.
+
+Failure: an encode that fails is retried at most `max_attempts` times (an engine that died
+does not count); then the fact stays without KV, served as text, and its `error` says why.
+A prompt that cannot fit the context or a fact too long for an arena entry fails at once.
+
+Restart: every entry is tagged with a digest of (fact id, version); a new incarnation adopts
+the LIVE entries whose tag and tokens match a fact it tracks (adopt_arena), releases the rest,
+and queues only the facts left without KV, so a restart does not re-encode the whole shard.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
-from kvarena.arena import FREE, ArenaError, ArenaFull, EntryRef, FactArena
+from kvarena.arena import WRITING, ArenaError, ArenaFull, EntryRef, FactArena
 from kvarena.params import EntryPlacement, KVMemoryParams
 from memory.fact_store import FactRecord, Turn
 from memory.prompting import PromptLayout
@@ -41,6 +50,19 @@ class FactKV:
     source_id: str | None = None
     ref: EntryRef | None = None  # live entry
     encoding: "EncodeJob | None" = None  # in-flight job
+    attempts: int = 0  # failed encodes so far (engine deaths not counted)
+    error: str | None = None  # why the last encode failed
+    failed: bool = False  # gave up: served as text until the fact changes or the shard restarts
+
+
+EncodeOutcome = bool | str | None
+"""How an encode job ended: True captured; False not captured; a string: failed, and why; None:
+not run (the engine was unavailable), which does not count as an attempt."""
+
+
+def entry_tag(key: str, version: int) -> bytes:
+    """The arena tag of a fact's (or the prefix's) entry: 16 bytes naming key and version."""
+    return hashlib.blake2b(f"{key}:{version}".encode(), digest_size=16).digest()
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,7 @@ class EncodeJob:
     start: int
     length: int
     issued_at: float = 0.0
+    cache_salt: str | None = None  # the fact owner's prefix-cache scope (its window is their text)
 
     def kv_transfer_params(self) -> dict[str, Any]:
         placement = EntryPlacement(entry=self.entry, generation=self.generation, start=self.start)
@@ -77,12 +100,18 @@ class FactKVLifecycle:
         window_of: WindowOf,
         encode_timeout_s: float,
         name: str = "shard",
+        context_tokens: int | None = None,
+        max_attempts: int = 3,
+        salt_of: Callable[[str], str] | None = None,
     ) -> None:
         self.arena = arena
+        self.salt_of = salt_of  # user id -> prefix-cache salt of that user's encodes
         self.layout = layout
         self.window_of = window_of
         self.encode_timeout_s = encode_timeout_s
         self.name = name
+        self.context_tokens = context_tokens  # the engine's context: encode prompts + 1 token fit in it
+        self.max_attempts = max_attempts
         self.facts: dict[str, FactKV] = {}
         self.queue: deque[str] = deque()
         self.in_flight: dict[str, EncodeJob] = {}
@@ -91,20 +120,39 @@ class FactKVLifecycle:
         self.facts_encoded = 0
 
     # ------------------------------------------------------------------ start-up
-    def reset_arena(self) -> None:
-        """Release every entry a previous incarnation left (pinned ones retire until unpinned)."""
-        entries = self.arena.entries
-        for entry_id in np.flatnonzero(entries["state"] != FREE):
-            ref = EntryRef(int(entry_id), int(entries[entry_id]["generation"]))
-            try:
+    def adopt_arena(self) -> dict[str, int]:
+        """Take over what a previous incarnation left in the arena (call after tracking every fact).
+
+        LIVE entries whose tag and tokens match a tracked fact (or the prefix) become its KV; every
+        other entry is released (a pinned one retires until its request ends, or until the next
+        engine's scheduler clears the pins of a dead one). Only facts left without KV stay queued."""
+        wanted = {entry_tag(key, state.version): (key, state) for key, state in self.facts.items()}
+        wanted[entry_tag(PREFIX_KEY, self.prefix.version)] = (PREFIX_KEY, self.prefix)
+        adopted = released = 0
+        for ref, tag, tokens in self.arena.live_entries():
+            key, state = wanted.get(tag, (None, None))
+            if state is None or state.ref is not None or tuple(tokens.tolist()) != state.segment_ids:
                 self.arena.release(ref)
+                released += 1
+                continue
+            state.ref = ref
+            if key != PREFIX_KEY:
+                self.lru[key] = None
+            adopted += 1
+        entries = self.arena.entries
+        for entry_id in np.flatnonzero(entries["state"] == WRITING):  # captures of the previous incarnation
+            try:
+                released += self.arena.release(EntryRef(int(entry_id), int(entries[entry_id]["generation"])))
             except ArenaError:
                 pass
-        self.queue.append(PREFIX_KEY)
+        keys = [PREFIX_KEY, *self.facts] if self.prefix.ref is None else list(self.facts)
+        self.queue = deque(key for key in keys if key == PREFIX_KEY or self.facts[key].ref is None)
+        return {"adopted": adopted, "released": released, "queued": len(self.queue)}
 
     # ------------------------------------------------------------------ facts in and out
-    def track(self, record: FactRecord) -> None:
-        """Know a fact (new, or a new version of one) and queue its encoding."""
+    def track(self, record: FactRecord, urgent: bool = False) -> None:
+        """Know a fact (new, or a new version of one) and queue its encoding (first when urgent:
+        a caller waits for it, unlike the backlog of a restart)."""
         self.facts[record.fact_id] = FactKV(
             user_id=record.user_id,
             version=record.version,
@@ -112,7 +160,10 @@ class FactKVLifecycle:
             segment_ids=tuple(self.layout.fact_ids(record.text)),
             source_id=record.source_id,
         )
-        self.queue.append(record.fact_id)
+        if urgent:
+            self.queue.appendleft(record.fact_id)
+        else:
+            self.queue.append(record.fact_id)
 
     def forget(self, fact_id: str) -> None:
         self.drop_kv(fact_id)
@@ -137,7 +188,7 @@ class FactKVLifecycle:
         state = self.facts[fact_id]
         if state.ref is not None:
             self.lru.move_to_end(fact_id)
-        elif state.encoding is None and fact_id not in self.queue:
+        elif state.encoding is None and not state.failed and fact_id not in self.queue:
             self.queue.append(fact_id)  # evicted: re-encode on use
         return state
 
@@ -149,57 +200,104 @@ class FactKVLifecycle:
         while self.queue and len(jobs) < max_jobs:
             key = self.queue.popleft()
             state = self.prefix if key == PREFIX_KEY else self.facts.get(key)
-            if state is None or state.ref is not None or state.encoding is not None:
+            if state is None or state.ref is not None or state.encoding is not None or state.failed:
                 continue
-            if key == PREFIX_KEY:
-                tokens, start, length = list(self.prefix.segment_ids), 0, len(self.prefix.segment_ids)
-            else:
-                prompt = self.layout.encode_prompt(state.text, self.window_of(state))
-                tokens, start, length = prompt.token_ids, prompt.start, prompt.length
             try:
-                ref = self._allocate(tokens[start : start + length], start)
+                tokens, start, length = self._encode_tokens(key, state)
+                ref = self._allocate(tokens[start : start + length], start, entry_tag(key, state.version))
             except ArenaFull as exc:
                 logger.warning("%s: %s; %s stays prefilled as text", self.name, exc, key)
                 self.queue.appendleft(key)
                 break
+            except (ArenaError, ValueError) as exc:  # cannot ever fit: no point in retrying
+                self._give_up(key, state, str(exc))
+                continue
+            salt = self.salt_of(state.user_id) if self.salt_of is not None and key != PREFIX_KEY else None
             job = EncodeJob(f"{key}:{state.version}:{ref.entry_id}:{ref.generation}", key, state.version, ref.entry_id,
-                            ref.generation, tokens, start, length, time.time())
+                            ref.generation, tokens, start, length, time.time(), salt)
             state.encoding = job
             self.in_flight[job.job_id] = job
             jobs.append(job)
         return jobs
 
-    def complete_jobs(self, outcomes: dict[str, bool]) -> int:
-        """Commit the captured entries (job id -> captured); returns how many facts went live."""
+    def _encode_tokens(self, key: str, state: FactKV) -> tuple[list[int], int, int]:
+        if key == PREFIX_KEY:
+            return list(self.prefix.segment_ids), 0, len(self.prefix.segment_ids)
+        limit = None if self.context_tokens is None else self.context_tokens - 1  # one generated token
+        prompt = self.layout.encode_prompt(state.text, self.window_of(state), max_tokens=limit)
+        return prompt.token_ids, prompt.start, prompt.length
+
+    def complete_jobs(self, outcomes: Mapping[str, EncodeOutcome]) -> int:
+        """Commit the captured entries (job id -> EncodeOutcome); returns how many facts went live.
+        A failed job is retried until the fact's attempts run out; a job not run is retried."""
         live = 0
-        for job_id, captured in outcomes.items():
+        for job_id, outcome in outcomes.items():
             job = self.in_flight.pop(job_id, None)
             if job is None:
                 continue
             ref = EntryRef(job.entry, job.generation)
             state = self._state_of_job(job)
-            if state is None or not captured:
+            if state is None or outcome is not True:
                 self.arena.release(ref)
                 if state is not None:
                     state.encoding = None
-                    self.queue.append(job.key)  # not captured (engine refused): retry
+                    self._failed(job.key, state, outcome)
                 continue
             try:
                 self.arena.commit(ref)
-            except ArenaError as exc:  # released or reset underneath the capture: encode again
-                logger.warning("%s: %s not committed (%s); retrying", self.name, job_id, exc)
+            except ArenaError as exc:  # released underneath the capture
                 state.encoding = None
-                self.queue.append(job.key)
+                self._failed(job.key, state, f"entry not committed: {exc}")
                 continue
-            state.ref, state.encoding = ref, None
+            state.ref, state.encoding, state.error = ref, None, None
             if job.key != PREFIX_KEY:
                 self.lru[job.key] = None
                 self.facts_encoded += 1
             live += 1
         return live
 
+    def _failed(self, key: str, state: FactKV, outcome: EncodeOutcome) -> None:
+        if outcome is None:  # never ran (the engine died or restarts): not the fact's fault
+            self.queue.append(key)
+            return
+        state.attempts += 1
+        state.error = outcome if isinstance(outcome, str) else "the engine did not capture the fact's KV"
+        if state.attempts >= self.max_attempts:
+            self._give_up(key, state, state.error)
+        else:
+            logger.warning("%s: encode of %s failed (%d of %d): %s", self.name, key, state.attempts, self.max_attempts, state.error)
+            self.queue.append(key)
+
+    def _give_up(self, key: str, state: FactKV, reason: str) -> None:
+        state.failed, state.error = True, reason
+        logger.error("%s: %s is served as text from now on: %s", self.name, key, reason)
+
     def pending(self) -> int:
         return len(self.queue) + len(self.in_flight)
+
+    def pending_of(self, keys: Collection[str]) -> list[str]:
+        """The keys among `keys` still queued or being encoded."""
+        queued = set(self.queue)
+        return [k for k in keys if (state := self.facts.get(k)) is not None and (k in queued or state.encoding is not None)]
+
+    def status(self, key: str) -> dict[str, Any]:
+        """The fact's KV as an API reports it: kv (live | encoding | queued | failed | evicted),
+        kv_error (why the last encode failed), kv_attempts."""
+        state = self.facts[key]
+        if state.ref is not None:
+            kv = "live"
+        elif state.encoding is not None:
+            kv = "encoding"
+        elif state.failed:
+            kv = "failed"
+        else:
+            kv = "queued" if key in self.queue else "evicted"
+        return {"kv": kv, "kv_error": state.error, "kv_attempts": state.attempts}
+
+    def failures(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Facts whose encoding was given up (first `limit`): id, attempts, reason."""
+        failed = [(key, state) for key, state in self.facts.items() if state.failed]
+        return [{"fact_id": key, "attempts": state.attempts, "reason": state.error} for key, state in failed[:limit]]
 
     def _state_of_job(self, job: EncodeJob) -> FactKV | None:
         """The state the job is still encoding for; None once its fact was deleted or updated."""
@@ -209,23 +307,24 @@ class FactKVLifecycle:
         return state
 
     def expire_jobs(self) -> None:
-        """Jobs never reported back (a replica died mid-encode) are released and retried."""
+        """Jobs never reported back (their replica died mid-encode) are released and retried."""
         deadline = time.time() - self.encode_timeout_s
         for job_id, job in list(self.in_flight.items()):
             if job.issued_at < deadline:
-                logger.warning("%s: encode job %s timed out; retrying", self.name, job_id)
-                self.complete_jobs({job_id: False})
+                logger.warning("%s: encode job %s was not reported back; retrying", self.name, job_id)
+                self.complete_jobs({job_id: None})
 
-    def _allocate(self, token_ids: list[int], encode_start: int) -> EntryRef:
-        """Allocate an entry, evicting the least recently used facts' KV when the arena is full."""
+    def _allocate(self, token_ids: list[int], encode_start: int, tag: bytes) -> EntryRef:
+        """Allocate an entry, evicting the least recently used facts' KV when the arena is full.
+        Pinned entries are never victims: releasing one would free nothing until its request ends."""
         while True:
             try:
-                return self.arena.allocate(token_ids, encode_start)
+                return self.arena.allocate(token_ids, encode_start, tag)
             except ArenaFull:
-                if not self.lru:
+                victim = next((k for k in self.lru if not self.arena.is_pinned(self.facts[k].ref)), None)
+                if victim is None:
                     raise
-                victim, _ = self.lru.popitem(last=False)
+                del self.lru[victim]
                 state = self.facts[victim]
-                assert state.ref is not None
                 self.arena.release(state.ref)
                 state.ref = None  # prefilled as text until used again

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from memory.composition import StoredSegment, compose
+from memory.composition import StoredSegment, compose, scope_cache_salt
 from memory.kv_lifecycle import FactKVLifecycle
 from memory.prompting import PromptLayout
 
@@ -62,10 +62,10 @@ def plan_chat(
 
     max_prompt_tokens: the least relevant facts are left out until the prompt fits (the caller
     rejects a conversation that does not fit even without memory). salt_namespace names the
-    user (and memory) whose injected KV the prompt's cached blocks may be shared with.
+    user whose requests alone may share the prompt's cached blocks (every mode is salted).
     """
     if mode == "none":
-        return ChatPlan(prompt_token_ids=layout.plain_prompt_ids(messages), mode=mode)
+        return ChatPlan(prompt_token_ids=layout.plain_prompt_ids(messages), mode=mode, cache_salt=scope_cache_salt(salt_namespace))
     suffix = layout.suffix_ids(messages)
     if max_prompt_tokens is not None:
         hits = fit_to_context(hits, kv, max_prompt_tokens - len(layout.prefix_ids) - len(suffix))
@@ -74,7 +74,9 @@ def plan_chat(
         tokens = list(layout.prefix_ids)
         for hit in ordered:
             tokens += layout.fact_ids(hit.text)
-        return ChatPlan(prompt_token_ids=tokens + suffix, mode="prompt", facts=hits)
+        return ChatPlan(
+            prompt_token_ids=tokens + suffix, mode="prompt", facts=hits, cache_salt=scope_cache_salt(salt_namespace)
+        )
     segments = [StoredSegment(kv.prefix.ref, kv.prefix.segment_ids)]
     pending: list[int] = []
     pending_ids: list[str] = []

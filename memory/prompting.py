@@ -11,7 +11,8 @@ once into the arena and injected too; the facts are injected; only the suffix (t
 messages and the generation prompt) is prefilled.
 
 Encode prompt of a fact: [prefix][window][fact], the window being the w conversation turns
-before the fact's source turn. The fact's KV is captured from this prompt (DESIGN §4: the kept
+before the fact's source turn, trimmed (oldest turns first) so the prompt fits the engine's
+context. The fact's KV is captured from this prompt (DESIGN §4: the kept
 slice is exactly what a prefill of [prefix; window; fact] produces for it).
 
 Fact segments are tokenized on their own ("- text\\n"); both prompt and KV injection use the
@@ -103,10 +104,33 @@ class PromptLayout:
         lines = "".join(f"{t.speaker}: {t.text.strip()}\n" for t in turns)
         return self._encode(f"(conversation) {lines}")
 
-    def encode_prompt(self, fact_text: str, window: Sequence[Turn]) -> EncodePrompt:
+    def encode_prompt(self, fact_text: str, window: Sequence[Turn], max_tokens: int | None = None) -> EncodePrompt:
+        """[prefix][window][fact]; with max_tokens, the window is trimmed until the prompt fits
+        (_fitted_window). Raises ValueError when [prefix][fact] alone does not fit."""
         fact = self.fact_ids(fact_text)
-        head = self.prefix_ids + self.window_ids(window)
+        room = None if max_tokens is None else max_tokens - len(self.prefix_ids) - len(fact)
+        if room is not None and room < 0:
+            raise ValueError(
+                f"the encode prompt of a {len(fact)}-token fact behind the {len(self.prefix_ids)}-token prefix "
+                f"exceeds {max_tokens} tokens"
+            )
+        head = self.prefix_ids + self._fitted_window(window, room)
         return EncodePrompt(token_ids=head + fact, start=len(head), length=len(fact))
+
+    def _fitted_window(self, window: Sequence[Turn], room: int | None) -> list[int]:
+        """The window's tokens within `room` tokens (None: all): the oldest turns are dropped first;
+        when the newest turn alone is too long, only its last tokens (right before the fact) stay."""
+        turns = list(window)
+        ids = self.window_ids(turns)
+        while room is not None and len(ids) > room and len(turns) > 1:
+            turns.pop(0)
+            ids = self.window_ids(turns)
+        if room is None or len(ids) <= room:
+            return ids
+        header = self._encode("(conversation) ")
+        if room <= len(header):
+            return []
+        return header + ids[len(ids) - (room - len(header)) :]  # the newest text of the one turn left
 
     # ---------------------------------------------------------------- extraction
     def extraction_prompt_ids(self, speaker: str, text: str, max_facts: int) -> list[int]:

@@ -34,4 +34,27 @@ class MemorySettings(BaseModel):
     embedding_model: str | None = Field(None, description="sentence-transformers folder; default all-MiniLM-L6-v2.")
     embedding_device: str = Field("auto", description="Device of the embedding model: auto (cuda when the shard has a GPU), cpu, cuda.")
     encode_batch: int = Field(32, gt=0, description="Most encode (capture) requests sent to the engine at once.")
-    encode_timeout_s: float = Field(300.0, gt=0, description="An encode job not reported back by then is retried.")
+    encode_timeout_s: float = Field(
+        300.0, gt=0, description="An encode job not reported back by then (its replica died) is released and retried."
+    )
+    encode_context_tokens: int = Field(
+        4096,
+        gt=1,
+        description="The engine's context length: an encode prompt [prefix][window][fact] plus its one generated token "
+        "fits in it (the window is trimmed, oldest turns first). The LLM replica sets it to engine.max_model_len.",
+    )
+    max_encode_attempts: int = Field(
+        3,
+        gt=0,
+        description="Failed encodes of one fact before the shard stops retrying it: the fact is then served as text, "
+        "with the reason in its record and in the shard's stats. An engine that died does not count as an attempt.",
+    )
+    encode_request_timeout_s: float = Field(
+        120.0, gt=0, description="Most seconds one batch of encode requests may run in the engine before it is aborted."
+    )
+    add_encode_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="Most seconds an add or update waits for its facts' KV before answering; the facts are stored and "
+        "acknowledged either way, and their KV follows in the background (prefilled as text until then).",
+    )

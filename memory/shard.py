@@ -13,8 +13,12 @@ back (complete_encode_jobs). A fact is acknowledged once it is in Redis and the 
 follows. Until then, and whenever its KV is missing (evicted, still encoding), a retrieved fact
 is prefilled as text after the injected ones: the answer never depends on whether KV exists.
 
-On (re)start the shard resets its arena and rebuilds index and KV from Redis, so killing it
-loses nothing that was acknowledged.
+On (re)start the shard rebuilds its index from Redis and adopts the arena's live entries that
+match its facts (memory.kv_lifecycle.adopt_arena): the arena lives in shared memory and
+survives the shard's and the replica's processes, so a restart re-encodes only what is missing,
+and killing the shard loses nothing that was acknowledged. An encode that keeps failing is
+given up after `max_encode_attempts`; the fact is then served as text and its record (get) and
+the shard's stats say why.
 """
 
 from __future__ import annotations
@@ -27,19 +31,31 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+from pydantic import Field
 
 from kvarena.arena import ArenaError, FactArena, arena_geometry_for
+from memory.composition import scope_cache_salt
 from memory.embedder import Embedder
 from memory.fact_store import FactEvent, FactRecord, FactStore, NewFact, Turn
 from memory.index import build_index
-from memory.kv_lifecycle import PREFIX_KEY, EncodeJob, FactKV, FactKVLifecycle
+from memory.kv_lifecycle import PREFIX_KEY, EncodeJob, EncodeOutcome, FactKV, FactKVLifecycle
 from memory.planner import ChatPlan, MemoryHit, plan_chat
 from memory.prompting import PromptLayout
 from memory.settings import MemorySettings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MemoryShard", "ChatPlan", "MemoryHit", "EncodeJob", "PREFIX_KEY"]
+__all__ = ["MemoryShard", "StoredFact", "ChatPlan", "MemoryHit", "EncodeJob", "PREFIX_KEY"]
+
+
+class StoredFact(FactRecord):
+    """A fact record with the state of its KV on the shard (what `GET /v1/memories/{id}` shows)."""
+
+    kv: str = Field(
+        "unknown", description="live | encoding | queued | failed (served as text, see kv_error) | evicted | unknown"
+    )
+    kv_error: str | None = Field(None, description="Why the fact's last encode failed.")
+    kv_attempts: int = Field(0, description="Failed encodes of this version of the fact.")
 
 
 class MemoryShard:
@@ -59,6 +75,15 @@ class MemoryShard:
         self.shard_id = shard_id
         self.settings = settings
         self.store = FactStore.from_url(redis_url, settings.redis_prefix)
+        # the arena first: a restarting replica may open it (engine start) while the rest loads
+        geometry = arena_geometry_for(model_dir, kv_dtype, **settings.arena.model_dump(exclude={"device_pages"}))
+        self._arena_path = arena_path_of(settings, namespace, shard_id)
+        try:
+            self.arena = FactArena.create(self._arena_path, geometry, exist_ok=True)
+        except ArenaError:  # left by a run with other settings: its KV is derived, start afresh
+            logger.warning("shard %d: replacing the arena at %s (geometry changed)", shard_id, self._arena_path)
+            shutil.rmtree(self._arena_path)
+            self.arena = FactArena.create(self._arena_path, geometry)
         self.layout = PromptLayout(AutoTokenizer.from_pretrained(model_dir), settings.instruction)
         embed_device = settings.embedding_device
         if embed_device == "auto":
@@ -67,14 +92,6 @@ class MemoryShard:
             embed_device = "cuda" if torch.cuda.is_available() else "cpu"
         self.embedder = Embedder(settings.embedding_model, device=embed_device)
         self.index = build_index(settings.index, self.embedder.dim)
-        geometry = arena_geometry_for(model_dir, kv_dtype, **settings.arena.model_dump(exclude={"device_pages"}))
-        self._arena_path = Path(settings.arena_dir) / f"kvmem-{namespace}-shard{shard_id}"
-        try:
-            self.arena = FactArena.create(self._arena_path, geometry, exist_ok=True)
-        except ArenaError:  # left by a run with other settings: its KV is derived, start afresh
-            logger.warning("shard %d: replacing the arena at %s (geometry changed)", shard_id, self._arena_path)
-            shutil.rmtree(self._arena_path)
-            self.arena = FactArena.create(self._arena_path, geometry)
         self.kv = FactKVLifecycle(
             self.arena,
             self.layout,
@@ -82,9 +99,11 @@ class MemoryShard:
             window_of=self._window_of,
             encode_timeout_s=settings.encode_timeout_s,
             name=f"shard {shard_id}",
+            context_tokens=settings.encode_context_tokens,
+            max_attempts=settings.max_encode_attempts,
+            salt_of=lambda user_id: scope_cache_salt(f"{settings.redis_prefix}:{user_id}"),
         )
         self.facts: dict[str, FactKV] = self.kv.facts  # fact id -> its KV state (the same dict)
-        self.kv.reset_arena()
         self._rebuild()
 
     # ================================================================== start-up
@@ -100,7 +119,11 @@ class MemoryShard:
             for record, _ in rows:
                 self.kv.track(record)
             n += len(rows)
-        logger.info("shard %d rebuilt %d facts of %d users from Redis in %.2fs", self.shard_id, n, len(users), time.perf_counter() - start)
+        arena = self.kv.adopt_arena()
+        logger.info(
+            "shard %d rebuilt %d facts of %d users from Redis in %.2fs; arena: %s",
+            self.shard_id, n, len(users), time.perf_counter() - start, arena,
+        )  # fmt: skip
 
     def _window_of(self, state: FactKV) -> list[Turn]:
         return self.store.window_before(state.user_id, state.source_id, self.settings.window_turns)
@@ -111,6 +134,14 @@ class MemoryShard:
 
     def ready(self) -> dict[str, Any]:
         return {"shard": self.shard_id, "facts": len(self.facts), "arena": self.arena_path(), "pid": os.getpid()}
+
+    def health(self) -> str:
+        """"ok", or what is wrong (Redis unreachable): the shard's half of the replica's health report."""
+        try:
+            self.store.r.ping()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            return f"redis unreachable: {exc}"
+        return "ok"
 
     # ================================================================== writes
     def add_turns(self, user_id: str, turns: Sequence[Turn]) -> None:
@@ -133,7 +164,7 @@ class MemoryShard:
             record, created = self.store.add(user_id, fact, embedding)
             if created or record.fact_id not in self.facts:
                 self.index.add([record.fact_id], [user_id], embedding[None, :])
-                self.kv.track(record)
+                self.kv.track(record, urgent=True)
             results.append({"id": record.fact_id, "memory": record.text, "event": "ADD" if created else "NONE"})
         return results
 
@@ -143,7 +174,7 @@ class MemoryShard:
         record = self.store.update(fact_id, user_id, text, embedding)
         self.kv.drop_kv(fact_id)
         self.index.add([fact_id], [user_id], embedding[None, :])
-        self.kv.track(record)
+        self.kv.track(record, urgent=True)
         return record
 
     def delete(self, fact_id: str, user_id: str) -> FactRecord:
@@ -163,11 +194,16 @@ class MemoryShard:
         self.index.remove([fact_id])
 
     # ================================================================== reads
-    def get(self, fact_id: str, user_id: str | None = None) -> FactRecord:
-        return self.store.get(fact_id, user_id)
+    def get(self, fact_id: str, user_id: str | None = None) -> StoredFact:
+        return self._with_kv(self.store.get(fact_id, user_id))
 
-    def get_all(self, user_id: str) -> list[FactRecord]:
-        return self.store.get_all(user_id)
+    def get_all(self, user_id: str) -> list[StoredFact]:
+        return [self._with_kv(record) for record in self.store.get_all(user_id)]
+
+    def _with_kv(self, record: FactRecord) -> StoredFact:
+        state = self.facts.get(record.fact_id)
+        known = state is not None and state.version == record.version
+        return StoredFact(**record.model_dump(), **(self.kv.status(record.fact_id) if known else {}))
 
     def history(self, fact_id: str, user_id: str | None = None) -> list[FactEvent]:
         return self.store.history(fact_id, user_id)
@@ -213,12 +249,17 @@ class MemoryShard:
         """Allocate arena entries for queued facts and hand out their capture jobs."""
         return self.kv.take_jobs(max_jobs or self.settings.encode_batch)
 
-    def complete_encode_jobs(self, outcomes: dict[str, bool]) -> int:
-        """Commit the captured entries (job id -> captured); returns how many facts went live."""
+    def complete_encode_jobs(self, outcomes: dict[str, EncodeOutcome]) -> int:
+        """Commit the captured entries (job id -> memory.kv_lifecycle.EncodeOutcome: True, False, a
+        failure reason, or None when the engine could not run it); returns how many went live."""
         return self.kv.complete_jobs(outcomes)
 
     def pending_encodes(self) -> int:
         return self.kv.pending()
+
+    def encode_pending(self, fact_ids: Sequence[str]) -> list[str]:
+        """The facts among `fact_ids` still waiting for their KV (queued or being encoded)."""
+        return self.kv.pending_of(fact_ids)
 
     # ================================================================== accounting
     def stats(self) -> dict[str, Any]:
@@ -233,5 +274,12 @@ class MemoryShard:
             "host_bytes_used": usage["bytes_host"],
             "host_bytes_capacity": self.arena.geometry.kv_bytes(),
             "device_bytes_used": usage["bytes_device"],  # pages the engine's HBM tier holds too
+            "encode_failed": sum(1 for state in self.facts.values() if state.failed),
+            "encode_failures": self.kv.failures(),  # the first ones: fact id, attempts, reason
             **usage,
         }
+
+
+def arena_path_of(settings: MemorySettings, namespace: str, shard_id: int) -> Path:
+    """Where shard `shard_id` of `namespace` keeps its arena (its engine opens it there)."""
+    return Path(settings.arena_dir) / f"kvmem-{namespace}-shard{shard_id}"

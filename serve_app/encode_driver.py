@@ -2,9 +2,16 @@
 
 The engine lives in the LLM replica; the shard only knows which entries to fill. The driver
 takes jobs from the shard, sends each as a one-token request whose kv_transfer_params name the
-capture (kvarena.params), and reports back which captures the connector scheduled. Facts of
-the same turn share their [prefix][window] tokens, so one batch lets vLLM's prefix cache
-compute that window once.
+capture (kvarena.params), and reports back how each ended (memory.kv_lifecycle.EncodeOutcome:
+captured, not captured and why, or not run because the engine was down). Facts of the same
+turn share their [prefix][window] tokens, so one batch lets vLLM's prefix cache compute that
+window once.
+
+Nothing here waits without a bound: a batch that runs past `request_timeout_s` is aborted in
+the engine and reported as failed; `drain(deadline_s=...)` and `settle` return at their
+deadline; while the engine is dead no job is taken (an engine death costs no fact an attempt).
+Encodes run at a lower priority than chats (vLLM's priority scheduling, where the engine has
+it), so a shard's backlog after a restart never starves the chats served meanwhile.
 
 Works with anything that hands out and takes back jobs (EncodeQueue: an
 actors.shard_client.ShardClient over the shard's Ray actor, or over an in-process MemoryShard
@@ -19,10 +26,12 @@ import time
 import uuid
 from typing import Any, Callable, Protocol, Sequence
 
-from memory.kv_lifecycle import EncodeJob
 from kvarena.params import PARAMS_KEY
+from memory.kv_lifecycle import EncodeJob, EncodeOutcome
 
 logger = logging.getLogger(__name__)
+
+ENCODE_PRIORITY = 1  # vLLM serves lower values first; chats and extraction run at 0
 
 
 class EncodeQueue(Protocol):
@@ -30,7 +39,19 @@ class EncodeQueue(Protocol):
 
     async def take_encode_jobs(self, max_jobs: int | None = None) -> list[EncodeJob]: ...
 
-    async def complete_encode_jobs(self, outcomes: dict[str, bool]) -> int: ...
+    async def complete_encode_jobs(self, outcomes: dict[str, EncodeOutcome]) -> int: ...
+
+    async def encode_pending(self, fact_ids: Sequence[str]) -> list[str]: ...
+
+
+def _prompt(job: EncodeJob):
+    """The capture request's prompt, salted with the fact owner's prefix-cache scope."""
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=list(job.token_ids))
+    if job.cache_salt:
+        prompt["cache_salt"] = job.cache_salt
+    return prompt
 
 
 def _capture_params(job: EncodeJob):
@@ -44,35 +65,67 @@ def _captured(output: Any) -> bool:
     return bool(report.get("captured"))
 
 
-def encode_jobs_sync(llm: Any, jobs: Sequence[EncodeJob]) -> dict[str, bool]:
-    """Run capture jobs on a synchronous vllm.LLM in one batch; job id -> captured."""
+NOT_CAPTURED = "the engine ran the encode prompt but its connector did not capture the fact's range"
+
+
+def encode_jobs_sync(llm: Any, jobs: Sequence[EncodeJob]) -> dict[str, EncodeOutcome]:
+    """Run capture jobs on a synchronous vllm.LLM in one batch; job id -> outcome."""
     from vllm.inputs import TokensPrompt
 
     if not jobs:
         return {}
-    prompts = [TokensPrompt(prompt_token_ids=list(job.token_ids)) for job in jobs]
-    outputs = llm.generate(prompts, [_capture_params(job) for job in jobs], use_tqdm=False)
-    return {job.job_id: _captured(out) for job, out in zip(jobs, outputs)}
+    prompts = [_prompt(job) for job in jobs]
+    try:
+        outputs = llm.generate(prompts, [_capture_params(job) for job in jobs], use_tqdm=False)
+    except Exception as exc:  # noqa: BLE001 - one refused prompt fails the batch: tell which
+        if len(jobs) == 1:
+            return {jobs[0].job_id: f"{type(exc).__name__}: {exc}"[:500]}
+        return {job_id: outcome for job in jobs for job_id, outcome in encode_jobs_sync(llm, [job]).items()}
+    return {job.job_id: (True if _captured(out) else NOT_CAPTURED) for job, out in zip(jobs, outputs)}
 
 
-async def encode_jobs_async(engine: Any, jobs: Sequence[EncodeJob]) -> dict[str, bool]:
-    """Run capture jobs concurrently on an AsyncLLM; job id -> captured (False on engine errors)."""
+def _engine_down(engine: Any) -> bool:
+    """An AsyncLLM whose engine core died (a synchronous LLM raises instead)."""
+    return bool(getattr(engine, "errored", False))
+
+
+async def encode_jobs_async(
+    engine: Any, jobs: Sequence[EncodeJob], timeout_s: float | None = None, priority: int = ENCODE_PRIORITY
+) -> dict[str, EncodeOutcome]:
+    """Run capture jobs concurrently on an AsyncLLM; job id -> outcome. Jobs still running after
+    `timeout_s` are aborted (cancelling a generate aborts its request) and reported as failed;
+    jobs the engine could not run because it died are reported as not run (None)."""
     from vllm.inputs import TokensPrompt
 
-    async def one(job: EncodeJob) -> bool:
+    async def one(job: EncodeJob) -> Any:
         final = None
-        async for output in engine.generate(
-            TokensPrompt(prompt_token_ids=list(job.token_ids)), _capture_params(job), request_id=f"encode-{uuid.uuid4().hex}"
-        ):
+        prompt = _prompt(job)
+        request_id = f"encode-{uuid.uuid4().hex}"
+        async for output in engine.generate(prompt, _capture_params(job), request_id=request_id, priority=priority):
             final = output
-        return final is not None and _captured(final)
+        return final
 
-    results = await asyncio.gather(*(one(job) for job in jobs), return_exceptions=True)
-    outcomes = {}
-    for job, result in zip(jobs, results):
-        if isinstance(result, BaseException):
-            logger.warning("encode job %s failed: %s", job.job_id, result)
-        outcomes[job.job_id] = result is True
+    tasks = [asyncio.ensure_future(one(job)) for job in jobs]
+    try:
+        _, late = await asyncio.wait(tasks, timeout=timeout_s) if tasks else (set(), set())
+    except asyncio.CancelledError:
+        for task in tasks:
+            task.cancel()  # aborts the engine requests
+        raise
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
+    outcomes: dict[str, EncodeOutcome] = {}
+    for job, task in zip(jobs, tasks):
+        if task in late:
+            outcomes[job.job_id] = f"the encode did not finish within {timeout_s:.0f} s and was aborted"
+        elif task.exception() is not None:
+            exc = task.exception()
+            dead = _engine_down(engine) or type(exc).__name__ == "EngineDeadError"
+            logger.warning("encode job %s %s: %s", job.job_id, "not run (engine down)" if dead else "failed", exc)
+            outcomes[job.job_id] = None if dead else f"{type(exc).__name__}: {exc}"[:500]
+        else:
+            outcomes[job.job_id] = True if _captured(task.result()) else NOT_CAPTURED
     return outcomes
 
 
@@ -83,34 +136,87 @@ def _is_sync_llm(engine: Any) -> bool:
 
 
 class EncodeDriver:
-    """Drains a shard's encode queue through an engine (see the module docstring)."""
+    """Drains a shard's encode queue through an engine (see the module docstring). `engine` may
+    be replaced (the replica restarts a dead engine in place); batches never overlap."""
 
     def __init__(
-        self, queue: EncodeQueue, engine: Any, batch: int = 32, on_batch: Callable[[int, float], None] | None = None
+        self,
+        queue: EncodeQueue,
+        engine: Any,
+        batch: int = 32,
+        on_batch: Callable[[int, float], None] | None = None,
+        request_timeout_s: float | None = None,
+        priority: int = ENCODE_PRIORITY,
     ):
         self.queue = queue
         self.engine = engine
         self.batch = batch
         self.on_batch = on_batch  # (facts committed, seconds) after each batch: metrics, progress bars
-        self._lock = asyncio.Lock()
+        self.request_timeout_s = request_timeout_s
+        self.priority = priority
+        self._lock = asyncio.Lock()  # one batch at a time; held per batch, so drains interleave
 
-    async def drain(self) -> int:
-        """Encode until the shard has nothing queued; returns how many entries went live."""
+    async def _one_batch(self) -> int | None:
+        """Take, run and report one batch; None when the shard had nothing queued."""
+        jobs = await self.queue.take_encode_jobs(self.batch)
+        if not jobs:
+            return None
+        started = time.perf_counter()
+        try:
+            if _is_sync_llm(self.engine):
+                outcomes = encode_jobs_sync(self.engine, jobs)
+            else:
+                outcomes = await encode_jobs_async(self.engine, jobs, self.request_timeout_s, self.priority)
+        except asyncio.CancelledError:  # the caller went away: give the jobs back now, not at their expiry
+            asyncio.ensure_future(self.queue.complete_encode_jobs({job.job_id: None for job in jobs}))
+            raise
+        live = await self.queue.complete_encode_jobs(outcomes)
+        if self.on_batch is not None:
+            self.on_batch(live, time.perf_counter() - started)
+        return live
+
+    async def drain(self, deadline_s: float | None = None, wait_for: Sequence[str] | None = None) -> int:
+        """Encode until the shard has nothing queued, or (wait_for) until those facts are no longer
+        pending, or until `deadline_s` passes; returns how many entries went live. Returns at once
+        while the engine is dead, unless a deadline says how long to wait for it."""
+        loop = asyncio.get_running_loop()
+        deadline = None if deadline_s is None else loop.time() + deadline_s
         total = 0
-        async with self._lock:
-            while True:
-                jobs = await self.queue.take_encode_jobs(self.batch)
-                if not jobs:
+        while True:
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                return total
+            if _engine_down(self.engine):
+                if left is None:
                     return total
-                started = time.perf_counter()
-                if _is_sync_llm(self.engine):
-                    outcomes = encode_jobs_sync(self.engine, jobs)
-                else:
-                    outcomes = await encode_jobs_async(self.engine, jobs)
-                live = await self.queue.complete_encode_jobs(outcomes)
-                total += live
-                if self.on_batch is not None:
-                    self.on_batch(live, time.perf_counter() - started)
+                await asyncio.sleep(min(0.5, left))  # the replica is restarting it
+                continue
+            try:
+                await asyncio.wait_for(self._lock.acquire(), left)
+            except asyncio.TimeoutError:
+                return total
+            try:
+                if wait_for is not None and not await self.queue.encode_pending(list(wait_for)):
+                    return total
+                live = await self._one_batch()
+            finally:
+                self._lock.release()
+            if live is None:
+                if wait_for is None:
+                    return total
+                await asyncio.sleep(0.2 if left is None else min(0.2, left))  # being encoded by another drain
+                continue
+            total += live
+
+    async def settle(self, fact_ids: Sequence[str], deadline_s: float) -> bool:
+        """Wait (encoding) up to `deadline_s` for the facts' KV; never raises: the facts are already
+        stored, and their KV follows in the background. Returns whether none is pending."""
+        try:
+            await self.drain(deadline_s=deadline_s, wait_for=fact_ids)
+            return not await self.queue.encode_pending(list(fact_ids))
+        except Exception as exc:  # noqa: BLE001 - a restarting shard or engine: the KV comes later
+            logger.warning("facts stored; their KV follows in the background (%s)", exc)
+            return False
 
     async def run_forever(self, idle_s: float = 0.5) -> None:
         """Background loop: picks up work queued by a restart rebuild or evicted facts in use."""

@@ -45,7 +45,9 @@ def parse_facts(text: str, max_facts: int) -> list[str]:
     return out[:max_facts]
 
 
-async def extract_facts(engine: Any, layout: PromptLayout, turns: Sequence[Turn], max_facts: int) -> list[NewFact]:
+async def extract_facts(
+    engine: Any, layout: PromptLayout, turns: Sequence[Turn], max_facts: int, cache_salt: str | None = None
+) -> list[NewFact]:
     """Facts from every turn (concurrently), each tagged with its source turn."""
     from vllm.inputs import TokensPrompt
 
@@ -53,6 +55,8 @@ async def extract_facts(engine: Any, layout: PromptLayout, turns: Sequence[Turn]
 
     async def one(turn: Turn) -> list[NewFact]:
         prompt = TokensPrompt(prompt_token_ids=layout.extraction_prompt_ids(turn.speaker, turn.text, max_facts))
+        if cache_salt:  # the user's own prefix-cache scope (memory.composition.scope_cache_salt)
+            prompt["cache_salt"] = cache_salt
         final = None
         async for output in engine.generate(prompt, params, request_id=f"extract-{uuid.uuid4().hex}"):
             final = output

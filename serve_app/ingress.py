@@ -13,21 +13,34 @@ Routes (OpenAI chat completions plus Mem0-style memory operations):
     DELETE /v1/memories/{id}             delete
     DELETE /v1/memories?user_id=         delete_all
     GET    /v1/memories/{id}/history     history
-    GET    /v1/shards                    per-shard statistics (bytes per tier, facts, queue)
+    GET    /v1/shards                    per-shard statistics (bytes per tier, facts, queue); admin
+    POST   /v1/admin/keys                create an API key (admin); GET lists, DELETE /{key_id} revokes
+    GET    /health                       Redis, and each replica's engine and shard (no key needed)
+
+Who may do what (serve_app.auth): with `auth.mode: keys` every route but /health needs a key;
+a key acts only for its users: 401 without a valid key, 403 for another user's data, and fact-id
+routes answer the same 404 for "not yours" as for "does not exist".
 
 The application is assembled by serve_app.app.build_app.
 """
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Awaitable
 
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import Depends, FastAPI, HTTPException, Query
 from fastapi.responses import StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from redis.exceptions import RedisError
 
-from memory.fact_store import FactStore
+from memory.directory import UserDirectory
+from serve_app.auth import ANONYMOUS_ADMIN, KeyRecord, KeyStore, Principal
+from serve_app.errors import install_error_handlers
 from serve_app.protocol import (
     AddMemoryRequest,
     ChatCompletionRequest,
@@ -39,7 +52,16 @@ from serve_app.protocol import (
 )
 from serve_app.settings import ServiceSettings
 
+logger = logging.getLogger(__name__)
+
 api = FastAPI(title="kv-memory-serve", description="LLM serving with per-user KV-injected memory.")
+install_error_handlers(api)  # OpenAI-shaped 4xx/5xx bodies, documented in the OpenAPI schema
+bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer kvm-...` (auth.mode keys).")
+
+
+class NewKeyRequest(BaseModel):
+    users: list[str] | None = Field(None, description="User ids the key may act for; null or absent: an admin key.")
+    label: str = Field("", max_length=256, description="A note to recognise the key by.")
 
 
 def _http_error(exc: BaseException) -> HTTPException | None:
@@ -53,31 +75,82 @@ def _http_error(exc: BaseException) -> HTTPException | None:
     return None
 
 
+def _unavailable(what: str, exc: BaseException) -> HTTPException:
+    return HTTPException(status_code=503, detail=f"{what} unavailable: {exc}")
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress(api)
 class ChatAPI:
-    """The router: user -> shard (assigned once, kept in Redis) -> that shard's replica."""
+    """The router: user -> shard (assigned once, kept in Redis, cached here) -> that shard's replica."""
 
     def __init__(self, replicas: list[DeploymentHandle], settings: ServiceSettings) -> None:
         self.replicas = replicas
         self.settings = settings
-        self.store = FactStore.from_url(settings.redis_url, settings.memory.redis_prefix)
+        prefix = settings.memory.redis_prefix
+        self.directory = UserDirectory.from_url(settings.redis_url, prefix)
+        self.keys = KeyStore.from_url(settings.redis_url, prefix, settings.auth.cache_ttl_s)
+        self._admin_key_stored = settings.auth.admin_key is None
+        if settings.auth.mode == "off":
+            logger.warning(
+                "auth.mode is off: every client may act for every user. Serve on loopback only "
+                "(http_options.host: 127.0.0.1); set auth.mode: keys anywhere else."
+            )
 
-    # ------------------------------------------------------------------ routing
-    def _replica_of_user(self, user_id: str) -> DeploymentHandle:
-        return self.replicas[self.store.shard_of(user_id, len(self.replicas))]
-
-    def _replica_of_fact(self, fact_id: str, user_id: str | None) -> tuple[DeploymentHandle, str]:
-        owner = self.store.user_of_fact(fact_id)
-        if owner is None or (user_id is not None and owner != user_id):
-            raise HTTPException(status_code=404, detail=f"no memory {fact_id!r}")
-        return self._replica_of_user(owner), owner
+    # ------------------------------------------------------------------ who is calling
+    async def _principal(self, credentials: HTTPAuthorizationCredentials | None) -> Principal:
+        if self.settings.auth.mode == "off":
+            return ANONYMOUS_ADMIN
+        unauthorized = HTTPException(401, "a valid API key is required (Authorization: Bearer ...)", {"WWW-Authenticate": "Bearer"})
+        if credentials is None or not credentials.credentials:
+            raise unauthorized
+        try:
+            if not self._admin_key_stored:
+                await self.keys.create(None, label="admin (settings)", key=self.settings.auth.admin_key.get_secret_value())
+                self._admin_key_stored = True
+            principal = await self.keys.principal(credentials.credentials)
+        except RedisError as exc:
+            raise _unavailable("key store (Redis)", exc) from exc
+        if principal is None:
+            raise unauthorized
+        return principal
 
     @staticmethod
-    async def _answer(call: Any) -> Any:
-        """The replica's answer to a call, with its refusals as HTTP errors."""
+    def _require_user(principal: Principal, user_id: str) -> None:
+        if not principal.may_act_for(user_id):
+            raise HTTPException(403, f"this API key may not act for user {user_id!r}")
+
+    @staticmethod
+    def _require_admin(principal: Principal) -> None:
+        if not principal.is_admin:
+            raise HTTPException(403, "this route needs an admin API key")
+
+    # ------------------------------------------------------------------ routing
+    async def _replica_of_user(self, user_id: str) -> DeploymentHandle:
         try:
-            return await call
+            shard = await self.directory.shard_of(user_id, len(self.replicas))
+        except RedisError as exc:
+            raise _unavailable("memory store (Redis)", exc) from exc
+        return self.replicas[shard]
+
+    async def _replica_of_fact(
+        self, principal: Principal, fact_id: str, user_id: str | None
+    ) -> tuple[DeploymentHandle, str]:
+        """The replica and owner of a fact the caller may touch; one 404 for absent and not yours."""
+        try:
+            owner = await self.directory.owner_of_fact(fact_id)
+        except RedisError as exc:
+            raise _unavailable("memory store (Redis)", exc) from exc
+        if owner is None or not principal.may_act_for(owner) or (user_id is not None and owner != user_id):
+            raise HTTPException(status_code=404, detail=f"no memory {fact_id!r}")
+        return await self._replica_of_user(owner), owner
+
+    async def _answer(self, call: Awaitable[Any]) -> Any:
+        """The replica's answer to a call, bounded in time, with its refusals as HTTP errors."""
+        try:
+            return await asyncio.wait_for(call, self.settings.replica_call_timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise HTTPException(504, f"no answer within {self.settings.replica_call_timeout_s:.0f} s") from exc
         except Exception as exc:
             error = _http_error(exc)
             if error is not None:
@@ -86,87 +159,169 @@ class ChatAPI:
 
     # ------------------------------------------------------------------ chat
     @api.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(self, request: ChatCompletionRequest) -> ChatCompletionResponse | StreamingResponse:
-        replica = self._replica_of_user(request.user) if request.user else self.replicas[0]
+    async def chat_completions(
+        self, request: ChatCompletionRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+    ) -> ChatCompletionResponse | StreamingResponse:
+        principal = await self._principal(credentials)
+        if request.user:
+            self._require_user(principal, request.user)
+            cached = self.directory.cached_shard(request.user)
+            if cached is not None:
+                replica = self.replicas[cached]
+            elif request.memory.mode == "none":  # needs no memory: answer even while Redis is down
+                try:
+                    replica = await self._replica_of_user(request.user)
+                except HTTPException:
+                    replica = self.replicas[0]
+            else:
+                replica = await self._replica_of_user(request.user)
+        else:
+            replica = self.replicas[0]
+        scope = None if principal.is_admin and self.settings.auth.mode == "off" else principal.cache_scope
         if not request.stream:
-            return await self._answer(replica.chat.remote(request))
-        events = replica.options(stream=True).chat_stream.remote(request)
-        try:  # a rejected request fails on its first event: answer it with a status, not a stream
-            first = await events.__anext__()
-        except Exception as exc:
-            error = _http_error(exc)
-            if error is not None:
-                raise error from exc
-            raise
+            return await self._answer(replica.chat.remote(request, scope))
+        events = replica.options(stream=True).chat_stream.remote(request, scope)
+        first = await self._answer(events.__anext__())  # a refusal comes as a status, not a stream
+        timeout = self.settings.replica_call_timeout_s
 
         async def relay() -> AsyncIterator[str]:
             yield first
-            async for event in events:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.__anext__(), timeout)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    logger.warning("stream stalled for %.0f s; closing it", timeout)
+                    events.cancel()
+                    return
                 yield event
 
         return StreamingResponse(relay(), media_type="text/event-stream")
 
     # ------------------------------------------------------------------ memory
     @api.post("/v1/memories")
-    async def add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
-        return await self._answer(self._replica_of_user(request.user_id).add_memory.remote(request))
+    async def add_memory(
+        self, request: AddMemoryRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+    ) -> dict[str, Any]:
+        self._require_user(await self._principal(credentials), request.user_id)
+        return await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
 
     @api.get("/v1/memories")
-    async def get_all(self, user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
-        records = await self._answer(self._replica_of_user(user_id).get_all.remote(user_id))
+    async def get_all(
+        self, user_id: str = Query(..., min_length=1, max_length=256),
+        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+    ) -> dict[str, Any]:
+        self._require_user(await self._principal(credentials), user_id)
+        records = await self._answer((await self._replica_of_user(user_id)).get_all.remote(user_id))
         return {"results": [r.model_dump() for r in records]}
 
     @api.post("/v1/memories/search")
-    async def search(self, request: SearchMemoryRequest) -> dict[str, Any]:
-        replica = self._replica_of_user(request.user_id)
+    async def search(
+        self, request: SearchMemoryRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+    ) -> dict[str, Any]:
+        self._require_user(await self._principal(credentials), request.user_id)
+        replica = await self._replica_of_user(request.user_id)
         hits = await self._answer(replica.search.remote(request.user_id, request.query, request.limit))
         return {"results": [{"id": h.fact_id, "memory": h.text, "score": h.score, "source_id": h.source_id} for h in hits]}
 
     @api.get("/v1/memories/{fact_id}")
-    async def get(self, fact_id: str, user_id: str | None = None) -> dict[str, Any]:
-        replica, owner = self._replica_of_fact(fact_id, user_id)
+    async def get(
+        self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+    ) -> dict[str, Any]:
+        replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
         return (await self._answer(replica.get.remote(fact_id, owner))).model_dump()
 
     @api.put("/v1/memories/{fact_id}")
-    async def update(self, fact_id: str, request: UpdateMemoryRequest, user_id: str | None = None) -> dict[str, Any]:
-        replica, owner = self._replica_of_fact(fact_id, user_id)
+    async def update(
+        self, fact_id: str, request: UpdateMemoryRequest, user_id: str | None = None,
+        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+    ) -> dict[str, Any]:
+        replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
         return (await self._answer(replica.update.remote(fact_id, owner, request.text))).model_dump()
 
     @api.delete("/v1/memories/{fact_id}")
-    async def delete(self, fact_id: str, user_id: str | None = None) -> dict[str, Any]:
-        replica, owner = self._replica_of_fact(fact_id, user_id)
+    async def delete(
+        self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+    ) -> dict[str, Any]:
+        replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
         await self._answer(replica.delete.remote(fact_id, owner))
         return {"message": f"memory {fact_id} deleted"}
 
     @api.delete("/v1/memories")
-    async def delete_all(self, user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
-        deleted = await self._answer(self._replica_of_user(user_id).delete_all.remote(user_id))
+    async def delete_all(
+        self, user_id: str = Query(..., min_length=1, max_length=256),
+        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+    ) -> dict[str, Any]:
+        self._require_user(await self._principal(credentials), user_id)
+        deleted = await self._answer((await self._replica_of_user(user_id)).delete_all.remote(user_id))
+        self.directory.forget_user(user_id)  # its placement is erased with its memory
         return {"message": f"{deleted} memories of {user_id} deleted", "deleted": deleted}
 
     @api.get("/v1/memories/{fact_id}/history")
-    async def history(self, fact_id: str, user_id: str | None = None) -> dict[str, Any]:
-        replica, owner = self._replica_of_fact(fact_id, user_id)
+    async def history(
+        self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+    ) -> dict[str, Any]:
+        replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
         events = await self._answer(replica.history.remote(fact_id, owner))
         return {"results": [e.model_dump() for e in events]}
 
     @api.get("/v1/shards")
-    async def shards(self) -> dict[str, Any]:
+    async def shards(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
+        self._require_admin(await self._principal(credentials))
         return {"results": [await self._answer(r.stats.remote()) for r in self.replicas]}
+
+    # ------------------------------------------------------------------ API keys (admin)
+    @api.post("/v1/admin/keys")
+    async def create_key(
+        self, request: NewKeyRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+    ) -> dict[str, Any]:
+        """A new API key; the key itself is in this answer only (Redis keeps its hash)."""
+        self._require_admin(await self._principal(credentials))
+        key, record = await self.keys.create(request.users, label=request.label)
+        return {"key": key, **record.model_dump()}
+
+    @api.get("/v1/admin/keys")
+    async def list_keys(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, list[KeyRecord]]:
+        self._require_admin(await self._principal(credentials))
+        return {"results": await self.keys.list()}
+
+    @api.delete("/v1/admin/keys/{key_id}")
+    async def revoke_key(self, key_id: str, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
+        self._require_admin(await self._principal(credentials))
+        if not await self.keys.revoke(key_id):
+            raise HTTPException(404, f"no API key {key_id!r}")
+        return {"message": f"API key {key_id} revoked"}
 
     # ------------------------------------------------------------------ misc
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
+        await self._principal(credentials)
         return {"object": "list", "data": [{"id": self.settings.served_model_name, "object": "model"}]}
 
     @api.get("/health")
-    async def health(self) -> dict[str, Any]:
-        import redis.asyncio as aioredis
+    async def health(self) -> Any:
+        """Redis, and each replica's engine and memory shard; 503 naming whatever is not ok.
 
-        client = aioredis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
-        try:
-            await client.ping()
-        except Exception as exc:  # report, do not crash the ingress
-            raise HTTPException(status_code=503, detail=f"redis unreachable: {exc}") from exc
-        finally:
-            await client.aclose()
-        return {"llm": "ok", "redis": "ok"}
+        {"status": "ok", "redis": "ok", "replicas": {"0": {"engine": "ok", "shard": "ok"}}}"""
+        from fastapi.responses import JSONResponse
+
+        async def redis_status() -> str:
+            try:
+                await asyncio.wait_for(self.directory.ping(), 2)
+                return "ok"
+            except Exception as exc:  # reported, never raised
+                return f"unreachable: {type(exc).__name__}: {exc}"[:300]
+
+        async def replica_status(replica: DeploymentHandle) -> dict[str, str]:
+            try:
+                return await asyncio.wait_for(replica.health.remote(), self.settings.health_timeout_s + 2)
+            except Exception as exc:
+                return {"replica": f"unavailable: {type(exc).__name__}: {exc}"[:300]}
+
+        redis_ok, *replicas = await asyncio.gather(redis_status(), *(replica_status(r) for r in self.replicas))
+        report: dict[str, Any] = {"redis": redis_ok, "replicas": {str(i): r for i, r in enumerate(replicas)}}
+        failing = [f"redis: {redis_ok}"] if redis_ok != "ok" else []
+        failing += [f"replica {i} {part}: {state}" for i, r in enumerate(replicas) for part, state in r.items() if state != "ok"]
+        report = {"status": "ok" if not failing else "; ".join(failing), **report}
+        return JSONResponse(report, status_code=200 if not failing else 503)

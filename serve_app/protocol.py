@@ -1,23 +1,106 @@
-"""HTTP request/response models: OpenAI chat completions, plus Mem0-style memory operations."""
+"""HTTP request/response models: OpenAI chat completions, plus Mem0-style memory operations.
+
+Everything a client sends is bounded here, in characters and counts (the ingress cannot
+tokenize: it imports neither torch nor transformers). Token bounds (a fact must fit one arena
+entry, a prompt plus its output the context) are checked by the replica, which answers 400
+before anything is stored or generated. Fields of OpenAI's API that this service does not
+implement are refused by name (400, `extra="forbid"`), never silently ignored; `n` must be 1.
+Types are strict, as the JSON schema says (`"max_tokens": "5"` or `"stream": 1` is refused,
+not coerced).
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from memory.prompting import MEMORY_MARKER
+
+# Bounds on what a client sends (characters and counts; the replica bounds tokens).
+MAX_CHAT_MESSAGES = 256
+MAX_MESSAGE_CHARS = 100_000  # per chat message; the context length bounds the whole prompt in tokens
+MAX_REQUEST_CHARS = 400_000  # all text of one request: the replica tokenizes it (about 0.3 s at this size)
+MAX_CONTENT_PARTS = 64
+MAX_ADD_MESSAGES = 16  # each user message costs one extraction request on the engine
+MAX_FACTS_PER_ADD = 64
+MAX_FACT_CHARS = 2_000  # the replica also bounds tokens: one arena entry per fact
+MAX_TURNS_PER_ADD = 256
+MAX_TURN_CHARS = 20_000
+MAX_ID_CHARS = 256
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_TOKENS_FIELD = 1_000_000  # a sanity bound; the replica checks against the context and the service limit
+INT64 = 2**63 - 1
+
+NonBlank = Annotated[str, Field(min_length=1, pattern=r"\S")]
 
 
-class ChatMessage(BaseModel):
+class TextPart(BaseModel):
+    """One part of a message's content given as a list (OpenAI's text content part)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"] = Field(..., description="Only text parts: the served model reads text.")
+    text: str = Field(..., max_length=MAX_MESSAGE_CHARS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] != "text":
+            raise ValueError(f"content parts of type {data['type']!r} are not supported: this service reads text only")
+        return data
+
+
+class InputMessage(BaseModel):
+    """A chat message as OpenAI clients send it: content as a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        ..., description="`developer` is treated as `system`. Tool messages are not supported."
+    )
+    content: (
+        Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)]
+        | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
+    )
+    name: str | None = Field(None, max_length=64, description="Accepted for compatibility; not used.")
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines, as vLLM joins them)."""
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+    @model_validator(mode="after")
+    def _bounded_text(self) -> "InputMessage":
+        text = self.text
+        if len(text) > MAX_MESSAGE_CHARS:
+            raise ValueError(f"message content of {len(text)} characters exceeds {MAX_MESSAGE_CHARS}")
+        if MEMORY_MARKER in text:
+            raise ValueError("message content holds a character sequence reserved by the service")
+        return self
+
+    def as_prompt_dict(self) -> dict[str, str]:
+        """{"role", "content"} as the chat template takes it."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+
+
+class MemoryMessage(BaseModel):
+    """A conversation message given to memory add (recorded as a turn)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str = Field(..., max_length=MAX_TURN_CHARS)
 
 
 class MemoryOptions(BaseModel):
     """How a chat request uses the user's memory (an extension field of the request body)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: Literal["kv", "prompt", "none"] = Field(
         "kv", description="kv: inject the facts' stored KV; prompt: prefill the same facts as text; none: no memory."
@@ -25,27 +108,101 @@ class MemoryOptions(BaseModel):
     top_k: int | None = Field(None, ge=0, le=200, description="Facts to retrieve; default from the service settings.")
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool | None = Field(
+        None, description="Send a last chunk with empty `choices` and the usage (and memory report)."
+    )
+
+
 class ChatCompletionRequest(BaseModel):
-    """The subset of OpenAI's chat-completions request this service honours."""
+    """The part of OpenAI's chat-completions request this service implements; anything else is refused."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    messages: list[ChatMessage] = Field(..., min_length=1, description="Conversation so far, oldest first.")
-    model: str | None = Field(None, description="Ignored beyond a sanity check; one model is served.")
-    user: str | None = Field(None, min_length=1, max_length=256, description="User id: whose memory to use.")
-    max_tokens: int | None = Field(None, gt=0, description="Most tokens to generate.")
-    temperature: float = Field(0.0, ge=0, le=2, description="0 is greedy.")
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stream: bool = Field(False, description="Stream server-sent events of chat.completion.chunk objects.")
+    messages: list[InputMessage] = Field(
+        ..., min_length=1, max_length=MAX_CHAT_MESSAGES, description="Conversation so far, oldest first."
+    )
+    model: str | None = Field(None, max_length=MAX_ID_CHARS, description="The served model's name (GET /v1/models); others get 404.")
+    user: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS, description="User id: whose memory to use.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_FIELD, description="Most tokens to generate (deprecated name).")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS_FIELD, description="Most tokens to generate; wins over max_tokens."
+    )
+    temperature: float | None = Field(None, ge=0, le=2, description="0 (the default here) is greedy.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
+    stop: (
+        Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+        | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_SEQUENCES)]
+        | None
+    ) = Field(None, description="Up to 4 sequences where generation stops (not included in the answer).")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logprobs: bool | None = Field(None, description="Return the log probability of each generated token.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="Most likely alternatives per token (needs logprobs=true)."
+    )
+    n: int | None = Field(None, ge=1, le=1, description="Choices per request: only 1 is supported.")
+    stream: bool | None = Field(False, description="Stream server-sent events of chat.completion.chunk objects.")
+    stream_options: StreamOptions | None = Field(None, description="Only with stream=true.")
     memory: MemoryOptions = Field(
         default_factory=MemoryOptions, description="Memory use; applies when `user` is set."
     )
 
+    @field_validator("n", mode="before")
+    @classmethod
+    def _one_choice(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value != 1:
+            raise ValueError(f"n={value} is not supported: this service returns one choice per request (n must be 1)")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ChatCompletionRequest":
+        total = sum(len(m.text) for m in self.messages)
+        if total > MAX_REQUEST_CHARS:
+            raise ValueError(f"messages hold {total} characters; at most {MAX_REQUEST_CHARS} per request")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens (as vLLM reads them), else None."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def prompt_messages(self) -> list[dict[str, str]]:
+        return [m.as_prompt_dict() for m in self.messages]
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    """OpenAI's `choices[].logprobs`: one entry per generated token."""
+
+    content: list[TokenLogprob] | None = None
+
 
 class ChatChoice(BaseModel):
     index: int = 0
-    message: ChatMessage
+    message: ResponseMessage
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
 
 
@@ -82,11 +239,13 @@ class ChunkDelta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: ChunkDelta
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
-    """One server-sent event of a streamed chat completion (the last one carries usage and memory)."""
+    """One server-sent event of a streamed chat completion. The finishing chunk carries usage and
+    memory; with stream_options.include_usage they come in one more chunk with empty `choices`."""
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -100,50 +259,85 @@ class ChatCompletionChunk(BaseModel):
 class TurnIn(BaseModel):
     """A conversation turn given with facts (its id is what facts' source_id refers to)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     turn_id: str = Field(..., min_length=1, max_length=128)
     speaker: str = Field(..., min_length=1, max_length=128)
-    text: str = Field(..., max_length=20000)
-    session_time: str | None = None
+    text: str = Field(..., max_length=MAX_TURN_CHARS)
+    session_time: str | None = Field(None, max_length=64)
 
 
 class AddMemoryRequest(BaseModel):
     """Mem0 `add`: messages (facts extracted by the served model) or facts given directly."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    user_id: str = Field(..., min_length=1, max_length=256)
-    messages: list[ChatMessage] | None = Field(None, description="Conversation turns to extract facts from (infer=true).")
-    facts: list[str] | None = Field(None, description="Facts stored as given (source: the last turn, if any).")
-    turns: list[TurnIn] | None = Field(None, description="Turns to record before the facts (their context window).")
-    source_id: str | None = Field(None, description="Turn id the given facts come from.")
+    user_id: str = Field(..., min_length=1, max_length=MAX_ID_CHARS)
+    messages: list[MemoryMessage] | None = Field(
+        None, max_length=MAX_ADD_MESSAGES, description="Conversation turns to extract facts from (infer=true)."
+    )
+    facts: list[Annotated[NonBlank, Field(max_length=MAX_FACT_CHARS)]] | None = Field(
+        None,
+        max_length=MAX_FACTS_PER_ADD,
+        description="Facts stored as given (source: the last turn, if any). Each must fit one KV arena entry "
+        "(256 tokens by default); a longer one is refused with 400 and nothing is stored.",
+    )
+    turns: list[TurnIn] | None = Field(
+        None, max_length=MAX_TURNS_PER_ADD, description="Turns to record before the facts (their context window)."
+    )
+    source_id: str | None = Field(None, min_length=1, max_length=128, description="Turn id the given facts come from.")
     infer: bool = Field(True, description="Extract facts from `messages` with the served model.")
 
     @model_validator(mode="after")
     def _something_to_add(self) -> "AddMemoryRequest":
         if not self.messages and not self.facts and not self.turns:
             raise ValueError("give messages, facts or turns")
+        texts = [m.content for m in self.messages or []] + list(self.facts or []) + [t.text for t in self.turns or []]
+        if (total := sum(len(text) for text in texts)) > MAX_REQUEST_CHARS:
+            raise ValueError(f"messages, facts and turns hold {total} characters; at most {MAX_REQUEST_CHARS} per request")
         return self
 
 
 class SearchMemoryRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    user_id: str = Field(..., min_length=1, max_length=256)
-    query: str = Field(..., min_length=1, max_length=20000)
+    user_id: str = Field(..., min_length=1, max_length=MAX_ID_CHARS)
+    query: str = Field(..., min_length=1, max_length=MAX_TURN_CHARS)
     limit: int = Field(10, gt=0, le=200)
 
 
 class UpdateMemoryRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    text: str = Field(..., min_length=1, max_length=2000)
+    text: NonBlank = Field(..., max_length=MAX_FACT_CHARS, description="New text; must fit one KV arena entry.")
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str = Field(..., description="invalid_request_error, authentication_error, not_found_error, server_error, ...")
+    param: str | None = Field(None, description="The request field at fault, dotted (messages.0.content).")
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx answer, in OpenAI's shape."""
+
+    error: ErrorBody
 
 
 class RequestRejected(ValueError):
     """A request the service refuses (bad input); maps to HTTP 400 and leaves all state untouched."""
 
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
 
 class NotFound(KeyError):
-    """An unknown fact (or a fact of another user); maps to HTTP 404."""
+    """An unknown fact (or a fact of another user), or an unknown model; maps to HTTP 404."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code

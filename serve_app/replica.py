@@ -7,7 +7,8 @@ the shard's arena, and runs an EncodeDriver in the background (it picks up facts
 shard rebuild). A chat request with a `user` asks the shard for a plan (top-k facts, token
 ids, kv_transfer_params) and runs it; the replica checks the context length first, so a
 too-long prompt gets a clear 400 and the engine never sees it. Prometheus metrics go through
-ray.serve.metrics.
+ray.serve.metrics. A dead engine core is restarted in place (serve_app.replica_lifecycle);
+check_health fails only when that does not work, and health() reports engine and shard.
 """
 
 from __future__ import annotations
@@ -31,17 +32,22 @@ from serve_app.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionChunk,
-    ChatMessage,
+    ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
     MemoryUsage,
     NotFound,
     RequestRejected,
+    ResponseMessage,
     Usage,
 )
+from serve_app.errors import RefusalsAreNotFailures
+from serve_app.limits import TokenLimits
 from serve_app.settings import ServiceSettings
 
 logger = logging.getLogger(__name__)
+
+logging.getLogger("ray.serve").addFilter(RefusalsAreNotFailures())  # a 4xx is no failed request to log
 
 _TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 
@@ -50,6 +56,10 @@ def _count(counter: Counter, value: float) -> None:
     """Counter.inc refuses 0 (ray.util.metrics); skip empty increments."""
     if value > 0:
         counter.inc(value)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
 @contextlib.contextmanager
@@ -61,31 +71,26 @@ def _not_found() -> Iterator[None]:
         raise NotFound(str(exc.args[0] if exc.args else exc)) from None
 
 
-@serve.deployment(max_ongoing_requests=64, health_check_period_s=10, health_check_timeout_s=60)
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=2, health_check_timeout_s=30)
 class LLMReplica:
     def __init__(self, settings: ServiceSettings, shard_id: int = 0) -> None:
-        import ray
         from transformers import AutoTokenizer
 
         from memory.prompting import PromptLayout
-        from actors.shard_actor import start_shard_actor
-        from connector.engine_config import kv_transfer_config
-        from serve_app.engine import build_async_engine
+        from serve_app.replica_lifecycle import start_backends
 
         self.settings = settings
         self.shard_id = shard_id
         model = settings.resolved_model()
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.layout = PromptLayout(self.tokenizer, settings.memory.instruction)
+        self.limits = TokenLimits(self.layout, settings)  # token bounds, checked before anything is stored or run
         kv_dtype = "bfloat16" if settings.engine.dtype == "auto" else settings.engine.dtype  # SmolLM2/Llama: bf16
-        actor = start_shard_actor(
-            shard_id, settings.memory, model, kv_dtype, settings.redis_url, settings.namespace, settings.shard_num_gpus
-        )
+        actor, self.keeper = start_backends(settings, shard_id, model, kv_dtype)
+        self.keeper.on_swap = lambda engine: setattr(self.driver, "engine", engine)
         self.shard = ShardClient(actor, timeout_s=settings.shard_call_timeout_s)
-        arena_path = ray.get(actor.arena_path.remote(), timeout=600)  # the shard's first start loads its models
-        connector = kv_transfer_config(arena_path, device_pages=settings.memory.arena.device_pages)
-        self.engine = build_async_engine(settings.engine, model, kv_transfer_config=connector)
         self._driver_task: asyncio.Task | None = None
+        self._stats_exported_at = 0.0
         from serve_app.encode_driver import EncodeDriver
 
         self.ttft = Histogram("kvmem_ttft_seconds", description="Engine time to first token.", boundaries=_TTFT_BOUNDARIES_S, tag_keys=("mode",))
@@ -102,48 +107,76 @@ class LLMReplica:
             _count(self.facts_encoded, live)
             _count(self.encode_seconds, seconds)
 
-        self.driver = EncodeDriver(self.shard, self.engine, settings.memory.encode_batch, on_batch)
+        timeout = settings.memory.encode_request_timeout_s
+        self.driver = EncodeDriver(self.shard, self.engine, settings.memory.encode_batch, on_batch, request_timeout_s=timeout)
+
+    @property
+    def engine(self) -> Any:
+        """The replica's AsyncLLM (replaced in place when its engine core dies: keeper)."""
+        return self.keeper.engine
 
     # ------------------------------------------------------------------ background work
     def _ensure_driver(self) -> None:
+        self.keeper.watch()
         if self._driver_task is None or self._driver_task.done():
             self._driver_task = asyncio.get_running_loop().create_task(self.driver.run_forever())
 
 
     # ------------------------------------------------------------------ chat
-    async def _run(self, request: ChatCompletionRequest) -> AsyncIterator[tuple[Any, list[int], Any]]:
-        """Plan (memory, context check) and run one chat request; yields (engine output,
-        prompt ids, memory plan) as the engine produces tokens. Raises RequestRejected before
-        the engine sees anything."""
-        from vllm import SamplingParams
+    async def _prepare(self, request: ChatCompletionRequest) -> tuple[list[int], Any, Any]:
+        """(prompt ids, memory plan, SamplingParams) of a chat request, or RequestRejected /
+        NotFound (unknown model) before the engine sees anything (serve_app.limits, .sampling)."""
+        from jinja2 import TemplateError
+
+        from serve_app.sampling import sampling_params
+
+        if request.model is not None and request.model != self.settings.served_model_name:
+            raise NotFound(
+                f"the model {request.model!r} does not exist; this service serves {self.settings.served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        messages = request.prompt_messages()
+        asked = request.requested_max_tokens
+        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        planned = self.limits.planned_output(asked, param)
+        plan = None
+        try:
+            if request.user and request.memory.mode != "none":
+                # facts that do not fit next to the conversation are left out, least relevant first
+                plan = await self.shard.plan_chat(
+                    request.user, messages, request.memory.top_k, request.memory.mode, self.limits.context - planned
+                )
+                prompt_ids = plan.prompt_token_ids
+            else:
+                prompt_ids = await asyncio.to_thread(self.layout.plain_prompt_ids, messages)
+        except TemplateError as exc:  # e.g. a template that needs alternating user/assistant roles
+            raise RequestRejected(f"the model's chat template refuses this conversation: {exc}", param="messages") from None
+        max_tokens = self.limits.output_tokens(len(prompt_ids), asked, planned, param)
+        extra = {"kv_transfer_params": plan.kv_transfer_params} if plan is not None and plan.kv_transfer_params else None
+        return prompt_ids, plan, sampling_params(request, max_tokens, extra)
+
+    async def _run(
+        self, request: ChatCompletionRequest, cache_scope: str | None = None
+    ) -> AsyncIterator[tuple[Any, list[int], Any]]:
+        """Plan and run one chat request; yields (engine output, prompt ids, memory plan) as the
+        engine produces tokens (cumulative outputs). Refusals are raised before the engine runs.
+        Every request is salted: by its user, else by `cache_scope` (the caller's API key)."""
         from vllm.inputs import TokensPrompt
 
         self._ensure_driver()
-        messages = [m.model_dump() for m in request.messages]
-        max_tokens = request.max_tokens or self.settings.default_max_tokens
-        limit = self.settings.engine.max_model_len
-        plan = None
-        if request.user and request.memory.mode != "none":
-            # facts that do not fit next to the conversation are left out, least relevant first
-            plan = await self.shard.plan_chat(
-                request.user, messages, request.memory.top_k, request.memory.mode, limit - max_tokens
-            )
-            prompt_ids = plan.prompt_token_ids
-        else:
-            prompt_ids = self.layout.plain_prompt_ids(messages)
-        if len(prompt_ids) + max_tokens > limit:
+        try:
+            prompt_ids, plan, params = await self._prepare(request)
+        except (RequestRejected, NotFound):
             self.requests.inc(tags={"outcome": "rejected"})
-            raise RequestRejected(
-                f"prompt of {len(prompt_ids)} tokens plus max_tokens={max_tokens} exceeds the "
-                f"context length of {limit} tokens"
-            )
-        extra = {"kv_transfer_params": plan.kv_transfer_params} if plan is not None and plan.kv_transfer_params else None
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, extra_args=extra
-        )
+            raise
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         if plan is not None and plan.cache_salt:
             prompt["cache_salt"] = plan.cache_salt
+        elif request.user:
+            prompt["cache_salt"] = self._user_salt(request.user)
+        elif cache_scope:
+            prompt["cache_salt"] = self._user_salt(cache_scope)
         mode = plan.mode if plan is not None else "none"
         start = time.perf_counter()
         first_token_at: float | None = None
@@ -171,55 +204,69 @@ class LLMReplica:
             cached_tokens=output.num_cached_tokens or 0,
         )
 
-    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
+    def _logprobs(self, request: ChatCompletionRequest, completion: Any, start: int) -> ChoiceLogprobs | None:
+        """OpenAI logprobs of the completion's tokens from `start` on, when the request asked."""
+        from serve_app.sampling import choice_logprobs
+
+        return choice_logprobs(completion, start, request.top_logprobs or 0, self.tokenizer) if request.logprobs else None
+
+    async def chat(self, request: ChatCompletionRequest, cache_scope: str | None = None) -> ChatCompletionResponse:
         final = prompt_ids = plan = None
-        async for final, prompt_ids, plan in self._run(request):
+        async for final, prompt_ids, plan in self._run(request, cache_scope):
             pass
         completion = final.outputs[0]
+        choice = ChatChoice(
+            message=ResponseMessage(content=completion.text),
+            logprobs=self._logprobs(request, completion, 0),
+            finish_reason=completion.finish_reason,
+        )
         return ChatCompletionResponse(
             model=self.settings.served_model_name,
-            choices=[ChatChoice(message=ChatMessage(role="assistant", content=completion.text), finish_reason=completion.finish_reason)],
-            usage=Usage(
-                prompt_tokens=len(prompt_ids),
-                completion_tokens=len(completion.token_ids),
-                total_tokens=len(prompt_ids) + len(completion.token_ids),
-            ),
+            choices=[choice],
+            usage=_usage(len(prompt_ids), len(completion.token_ids)),
             memory=self._memory_usage(plan, final),
         )
 
-    async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
-        """Server-sent events in OpenAI's chat.completion.chunk format, then `data: [DONE]`.
-        The last chunk carries the finish reason, usage and memory report."""
+    async def chat_stream(self, request: ChatCompletionRequest, cache_scope: str | None = None) -> AsyncIterator[str]:
+        """Server-sent events in OpenAI's chat.completion.chunk format, then `data: [DONE]`. The
+        finishing chunk carries usage and the memory report, or, with stream_options.include_usage,
+        one more chunk with empty `choices` does (as OpenAI sends it)."""
         chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
-        sent = 0
+        model = self.settings.served_model_name
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        sent_text = sent_tokens = 0
         first = True
-        async for output, prompt_ids, plan in self._run(request):
+        usage: Usage | None = None
+        memory: MemoryUsage | None = None
+        async for output, prompt_ids, plan in self._run(request, cache_scope):
             completion = output.outputs[0]
-            delta = completion.text[sent:]
-            sent = len(completion.text)
+            delta = completion.text[sent_text:]
             done = output.finished
             if not delta and not done and not first:
-                continue
-            chunk = ChatCompletionChunk(
-                id=chunk_id,
-                model=self.settings.served_model_name,
-                choices=[
-                    ChunkChoice(
-                        delta=ChunkDelta(role="assistant" if first else None, content=delta or None),
-                        finish_reason=completion.finish_reason if done else None,
-                    )
-                ],
+                continue  # tokens that are no text yet (a partial character, a possible stop string)
+            choice = ChunkChoice(
+                delta=ChunkDelta(role="assistant" if first else None, content=delta or None),
+                logprobs=self._logprobs(request, completion, sent_tokens),
+                finish_reason=completion.finish_reason if done else None,
             )
-            first = False
+            sent_text, sent_tokens, first = len(completion.text), len(completion.token_ids), False
+            chunk = ChatCompletionChunk(id=chunk_id, model=model, choices=[choice])
             if done:
-                chunk.usage = Usage(
-                    prompt_tokens=len(prompt_ids),
-                    completion_tokens=len(completion.token_ids),
-                    total_tokens=len(prompt_ids) + len(completion.token_ids),
-                )
-                chunk.memory = self._memory_usage(plan, output)
+                usage = _usage(len(prompt_ids), len(completion.token_ids))
+                memory = self._memory_usage(plan, output)
+                if not include_usage:
+                    chunk.usage, chunk.memory = usage, memory
             yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        if include_usage and usage is not None:
+            tail = ChatCompletionChunk(id=chunk_id, model=model, choices=[], usage=usage, memory=memory)
+            yield f"data: {tail.model_dump_json(exclude_none=True)}\n\n"
         yield "data: [DONE]\n\n"
+
+    def _user_salt(self, user_id: str) -> str:
+        """The user's prefix-cache scope: their requests share cached blocks with no one else."""
+        from memory.composition import scope_cache_salt
+
+        return scope_cache_salt(f"{self.settings.memory.redis_prefix}:{user_id}")
 
     # ------------------------------------------------------------------ memory operations
     async def add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
@@ -227,6 +274,7 @@ class LLMReplica:
         from serve_app.extraction import extract_facts
 
         self._ensure_driver()
+        await asyncio.to_thread(self.limits.check_add, request)  # token bounds: a 400 before anything is stored
         user = request.user_id
         order = await self.shard.next_turn_order(user)
         turns = [Turn(**t.model_dump(), order=order + i) for i, t in enumerate(request.turns or [])]
@@ -242,13 +290,17 @@ class LLMReplica:
         facts: list[NewFact] = []
         if request.messages and request.infer:
             user_turns = [t for t in turns if t.speaker == "user"]
-            facts += await extract_facts(self.engine, self.layout, user_turns, self.settings.memory.max_facts_per_turn)
+            facts += await extract_facts(
+                self.engine, self.layout, user_turns, self.settings.memory.max_facts_per_turn, self._user_salt(user)
+            )
         elif request.messages:
             facts += [NewFact(text=t.text, source_id=t.turn_id) for t in turns if t.speaker == "user"]
+        facts = self.limits.fitting(facts)  # an extracted fact too long for an arena entry is dropped, not stored
         source = request.source_id or (turns[-1].turn_id if turns else None)
         facts += [NewFact(text=text, source_id=source) for text in request.facts or []]
         results = await self.shard.add_facts(user, facts)
-        await self.driver.drain()  # the added facts' KV is in place when add returns
+        # acknowledged: stored in Redis; the KV is awaited a bounded time, then follows in the background
+        await self.driver.settle([r["id"] for r in results], self.settings.memory.add_encode_wait_s)
         return {"results": results}
 
     async def search(self, user_id: str, query: str, limit: int) -> list[MemoryHit]:
@@ -264,9 +316,10 @@ class LLMReplica:
     async def update(self, fact_id: str, user_id: str, text: str) -> FactRecord:
         """New text: the fact's KV is re-encoded before this returns."""
         self._ensure_driver()
+        await asyncio.to_thread(self.limits.check_fact, text, "text")
         with _not_found():
             record = await self.shard.update(fact_id, user_id, text)
-        await self.driver.drain()
+        await self.driver.settle([fact_id], self.settings.memory.add_encode_wait_s)
         return record
 
     async def delete(self, fact_id: str, user_id: str) -> FactRecord:
@@ -294,14 +347,33 @@ class LLMReplica:
         self.pending_gauge.set(stats["pending_encodes"], tags={"shard": shard})
 
     async def check_health(self) -> None:
+        """Serve's probe: fails when the engine is dead and not coming back in place
+        (serve_app.replica_lifecycle.EngineKeeper.failure), so Serve replaces the replica."""
         self._ensure_driver()
-        await self.engine.check_health()
+        failure = self.keeper.failure()
+        if failure is not None:
+            raise RuntimeError(f"engine {failure}")
+        if time.monotonic() - self._stats_exported_at > 10:  # metrics, not health: at most every 10 s
+            self._stats_exported_at = time.monotonic()
+            try:
+                self._export_stats(await asyncio.wait_for(self.shard.stats(), timeout=self.settings.health_timeout_s))
+            except Exception as exc:  # a restarting shard is not an unhealthy engine
+                logger.warning("shard %d stats unavailable: %s", self.shard_id, exc)
+
+    async def health(self) -> dict[str, str]:
+        """{"engine": "ok" | "restarting: …" | "dead: …", "shard": "ok" | "…"}; answers within
+        about health_timeout_s whatever the engine or shard are doing."""
+        self._ensure_driver()
         try:
-            self._export_stats(await asyncio.wait_for(self.shard.stats(), timeout=5))
-        except Exception as exc:  # a restarting shard is not an unhealthy engine
-            logger.warning("shard %d stats unavailable: %s", self.shard_id, exc)
+            shard = await self.shard.health(timeout_s=self.settings.health_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            shard = f"unavailable: {type(exc).__name__}: {exc}"[:300]
+        return {"engine": self.keeper.status(), "shard": shard}
 
     def __del__(self) -> None:
+        keeper = getattr(self, "keeper", None)
+        if keeper is not None:
+            keeper.close()  # a shutdown, not a crash: no restart
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

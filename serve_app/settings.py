@@ -13,6 +13,7 @@ from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from memory.settings import MemorySettings
+from serve_app.auth import AuthSettings
 
 
 class EngineSettings(BaseModel):
@@ -51,11 +52,23 @@ class ServiceSettings(BaseSettings):
         description="Redis holding the durable memory records. `make serve` starts a local one when unset.",
     )
     served_model_name: str = Field("smollm2-135m-instruct", description="Model name reported by the API.")
-    default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request gives none.")
+    default_max_tokens: int = Field(
+        256, gt=0, description="max_tokens when a request gives none (lowered to what the context has room for)."
+    )
+    max_output_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Most tokens one chat request may ask for (max_tokens / max_completion_tokens); a larger ask gets "
+        "400. None: only the context length bounds it. Small values keep engine work bounded (CPU fuzzing).",
+    )
     llm_replicas: int = Field(
         1, gt=0, description="Number of LLM replicas (one engine and one memory shard each); users are spread over them."
     )
     memory: MemorySettings = Field(default_factory=MemorySettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    replica_call_timeout_s: float = Field(
+        300.0, gt=0, description="Most seconds the ingress waits for a replica's answer (or its next streamed chunk)."
+    )
     namespace: str = Field(
         "default", pattern=r"^[A-Za-z0-9_.-]+$", description="Names this deployment's shard actors and arenas."
     )
@@ -63,6 +76,18 @@ class ServiceSettings(BaseSettings):
     llm_replica_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per LLM replica (fractional allowed).")
     shard_call_timeout_s: float = Field(
         30.0, gt=0, description="Most seconds a replica waits for its memory shard actor on one call."
+    )
+    engine_restart_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Most seconds a replica spends restarting a dead engine in place before its health check fails "
+        "(Serve then replaces the replica).",
+    )
+    engine_max_restarts: int = Field(
+        3, gt=0, description="Failed in-place engine restarts in a row after which the replica reports itself unhealthy."
+    )
+    health_timeout_s: float = Field(
+        2.0, gt=0, description="Most seconds a replica's health report waits for its shard's answer."
     )
     shard_num_gpus: float = Field(
         0.0,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarena.arena import ArenaError, ArenaFull, ArenaGeometry, FactArena
+from kvarena.arena import ArenaError, ArenaFull, ArenaGeometry, EntryRef, FactArena
 
 GEOMETRY = ArenaGeometry(num_layers=2, num_kv_heads=2, head_size=32, dtype="float32", page_tokens=8, num_pages=8, max_entries=4, max_pages_per_entry=4)
 
@@ -195,3 +195,38 @@ def test_pin_many_is_all_or_nothing(arena: FactArena) -> None:
     assert all(v is not None for v in views)
     arena.unpin_many([(a.entry_id, a.generation), (b.entry_id, b.generation)])
     assert arena.entries[a.entry_id]["pins"] == 0 and arena.entries[b.entry_id]["pins"] == 0
+
+
+def test_a_new_scheduler_clears_the_pins_a_dead_engine_left_and_frees_what_they_held(arena: FactArena) -> None:
+    """Pins live in shared memory: requests of an engine that died never unpin. The next engine's
+    scheduler (the arena's only pinner) clears them, and the retired entries they held are freed."""
+    from connector.scheduler import KVMemoryScheduler
+
+    kept, dropped = arena.allocate([1, 2, 3], 0), arena.allocate(list(range(10)), 0)
+    arena.commit(kept)
+    arena.commit(dropped)
+    arena.pin_many([(kept.entry_id, kept.generation), (dropped.entry_id, dropped.generation), (kept.entry_id, kept.generation)])
+    assert arena.release(dropped) is False and arena.usage()["pins"] == 3  # the dead engine's requests hold them
+    full = arena.usage()["pages_used"]
+    KVMemoryScheduler(arena, block_size=8)
+    usage = arena.usage()
+    assert usage["pins"] == 0 and usage["entries_retired"] == 0 and usage["pages_used"] == full - 2
+    assert arena.state_of(kept) == "live" and arena.state_of(dropped) == "free"
+    assert arena.pin(kept.entry_id, kept.generation) is not None  # still injectable
+
+
+def test_live_entries_carry_their_owners_tags_and_tokens(arena: FactArena) -> None:
+    tagged = arena.allocate([5, 6, 7], 2, tag=b"fact-a:1")
+    arena.commit(tagged)
+    arena.allocate([8, 9], 0, tag=b"writing")  # not live: never offered for adoption
+    ((ref, tag, tokens),) = arena.live_entries()
+    assert ref == tagged and tag == b"fact-a:1" and tokens.tolist() == [5, 6, 7]
+    arena.release(tagged)
+    assert arena.live_entries() == [] and arena.entries[tagged.entry_id]["tag"] == b""
+    with pytest.raises(ArenaError):
+        arena.allocate([1], 0, tag=b"x" * 17)
+    other = arena.allocate([1], 0, tag=b"b")
+    assert arena.is_pinned(other) is False
+    arena.commit(other)
+    arena.pin(other.entry_id, other.generation)
+    assert arena.is_pinned(other) is True and arena.is_pinned(EntryRef(other.entry_id, other.generation + 1)) is False

@@ -36,13 +36,19 @@ def test_update_delete_history(store: FactStore) -> None:
     # the old text is free again: re-adding it makes a new fact, the updated one is untouched
     other, created = store.add("alice", NewFact(text="Alice lives in Paris."), _vec(2))
     assert created and other.fact_id != record.fact_id
+    live_events = store.history(record.fact_id)
+    assert live_events[1].old_text == "Alice lives in Paris." and live_events[1].new_text == "Alice lives in Lyon."
     store.delete(record.fact_id, "alice")
     with pytest.raises(UnknownFact):
         store.get(record.fact_id)
     assert [r.fact_id for r in store.get_all("alice")] == [other.fact_id]
     events = store.history(record.fact_id)
     assert [e.event for e in events] == ["ADD", "UPDATE", "DELETE"]
-    assert events[1].old_text == "Alice lives in Paris." and events[1].new_text == "Alice lives in Lyon."
+    assert [e.version for e in events] == [1, 2, 2]
+    # delete erases: the events stay, their texts go, and so do the record's text and embedding
+    assert all(e.old_text is None and e.new_text is None for e in events)
+    raw = store.r.hgetall(store.keys.fact(record.fact_id))
+    assert set(raw) == {b"user_id", b"version", b"deleted", b"updated_at"} and b"Lyon" not in b"".join(raw.values())
     with pytest.raises(UnknownFact):
         store.update(record.fact_id, "alice", "resurrected", _vec(3))
 

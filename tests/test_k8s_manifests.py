@@ -198,6 +198,7 @@ def test_redis_is_persistent_and_reachable_through_its_service() -> None:
     (container,) = pod["spec"]["containers"]
     args = container["args"]
     assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--appendfsync") + 1] == "always"  # acknowledged means on disk
     data_dir = args[args.index("--dir") + 1]
     (volume,) = [v for v in pod["spec"]["volumes"] if v.get("persistentVolumeClaim")]
     assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
@@ -205,3 +206,15 @@ def test_redis_is_persistent_and_reachable_through_its_service() -> None:
 
     target = service["spec"]["ports"][0]["targetPort"]
     assert target in {p["name"] for p in container["ports"]} | {p["containerPort"] for p in container["ports"]}
+
+
+def test_the_cluster_requires_api_keys_and_config_yaml_stays_on_loopback(rayservice: dict[str, Any], clean_env: None) -> None:
+    """keys mode in the cluster, its admin key from a Secret; the embedded `off` only on loopback."""
+    cluster = ServiceSettings.from_args(serve_config("serveConfigV2")["applications"][0]["args"])
+    assert cluster.auth.mode == "keys"
+    for container in containers(rayservice):
+        (admin,) = [e for e in container["env"] if e["name"] == "KVMEM_AUTH__ADMIN_KEY"]
+        assert "value" not in admin and admin["valueFrom"]["secretKeyRef"]["name"] == "kvmem-auth", container["name"]
+    local = serve_config("config.yaml")
+    if ServiceSettings.from_args(local["applications"][0]["args"]).auth.mode == "off":
+        assert local["http_options"]["host"] in {"127.0.0.1", "localhost", "::1"}

@@ -18,7 +18,7 @@ import pytest
 from actors.shard_client import ShardClient
 from serve_app.encode_driver import EncodeDriver
 from memory.fact_store import NewFact
-from memory.shard import MemoryShard
+from memory.shard import PREFIX_KEY, MemoryShard
 from memory.settings import ArenaCapacity, MemorySettings
 from memory.index import IndexSettings
 from bench.ingest_locomo import conversation_turns, ingest, observation_facts
@@ -262,4 +262,98 @@ def test_a_shard_replaces_an_arena_left_with_another_geometry(smollm2_dir, redis
         assert second.arena_path() == first.arena_path() and second.arena.geometry.num_pages == 2048
         second.arena.close()
     finally:
+        shutil.rmtree(settings.arena_dir, ignore_errors=True)
+
+
+def _encode_all(shard: MemoryShard, outcome: object = True) -> list:
+    jobs = shard.take_encode_jobs()
+    shard.complete_encode_jobs({job.job_id: outcome for job in jobs})
+    return jobs
+
+
+def test_a_restarted_shard_adopts_the_kv_it_recognises_and_encodes_only_the_rest(smollm2_dir, redis_server) -> None:
+    """The arena outlives the shard's process: a new incarnation keeps every live entry whose tag
+    and tokens match a fact it has, releases the others (a fact deleted meanwhile, captures in
+    flight), and queues only what has no KV (no engine needed: the shard's bookkeeping)."""
+    settings = shard_settings(window_turns=0)
+    namespace = uuid.uuid4().hex[:8]
+    first = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=namespace)
+    try:
+        kept, gone = [r["id"] for r in first.add_facts("lea", [NewFact(text="Lea sails."), NewFact(text="Lea sings.")])]
+        _encode_all(first)  # prefix and both facts live
+        (late,) = [r["id"] for r in first.add_facts("lea", [NewFact(text="Lea skis.")])]
+        (in_flight,) = first.take_encode_jobs()  # a capture the dead incarnation never reported
+        first.arena.pin(first.facts[kept].ref.entry_id, first.facts[kept].ref.generation)  # a request in the engine
+        first.store.delete(gone, "lea")  # committed in Redis; the shard died before it released the KV
+        used_by = {key: first.facts[key].ref for key in (kept, gone)}
+        first.arena.close()  # the process dies: nothing is cleaned up
+
+        second = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=namespace)
+        assert second.facts[kept].ref == used_by[kept] and second.kv.prefix.ref is not None  # adopted, not re-encoded
+        assert second.arena.state_of(used_by[gone]) == "free"
+        assert second.arena.state_of(EntryRef(in_flight.entry, in_flight.generation)) == "free"
+        stats = second.stats()
+        assert stats["facts"] == 2 and stats["facts_with_kv"] == 1 and stats["pending_encodes"] == 1
+        assert stats["entries_live"] == 2 and stats["entries_writing"] == 0  # prefix + the kept fact
+        assert [job.key for job in second.take_encode_jobs()] == [late]
+        assert second.get(kept, "lea").kv == "live" and second.get(late, "lea").kv == "encoding"
+        second.arena.close()
+    finally:
+        shutil.rmtree(settings.arena_dir, ignore_errors=True)
+
+
+def test_an_encode_that_keeps_failing_is_given_up_with_its_reason_visible(smollm2_dir, redis_server) -> None:
+    settings = shard_settings(window_turns=0)
+    shard = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=uuid.uuid4().hex[:8])
+    try:
+        (doomed,) = [r["id"] for r in shard.add_facts("max", [NewFact(text="Max rows boats.")])]
+        for attempt in range(1, settings.max_encode_attempts + 1):
+            jobs = shard.take_encode_jobs()  # the first time with the prefix's, which succeeds
+            assert [job.key for job in jobs if job.key != PREFIX_KEY] == [doomed]
+            shard.complete_encode_jobs({j.job_id: j.key == PREFIX_KEY or f"ValueError: attempt {attempt} failed" for j in jobs})
+        assert shard.take_encode_jobs() == [] and shard.pending_encodes() == 0  # bounded: no more retries
+        record = shard.get(doomed, "max")
+        assert (record.kv, record.kv_attempts, record.kv_error) == ("failed", 3, "ValueError: attempt 3 failed")
+        stats = shard.stats()
+        assert stats["encode_failed"] == 1 and stats["encode_failures"] == [
+            {"fact_id": doomed, "attempts": 3, "reason": "ValueError: attempt 3 failed"}
+        ]
+        plan = shard.plan_chat("max", [{"role": "user", "content": "What do I row?"}], k=1)
+        assert plan.prefilled_fact_ids == [doomed] and shard.pending_encodes() == 0  # served as text, not queued again
+        assert shard.stats()["entries_writing"] == 0 and shard.stats()["entries_live"] == 1  # nothing leaked
+
+        (spared,) = [r["id"] for r in shard.add_facts("max", [NewFact(text="Max bakes bread.")])]
+        for _ in range(5):  # the engine was down: not run, not counted
+            assert [job.key for job in _encode_all(shard, None)] == [spared]
+        assert shard.get(spared, "max").kv_attempts == 0 and shard.get(spared, "max").kv == "queued"
+        shard.update(doomed, "max", "Max rows kayaks.")  # a new version gets its attempts afresh
+        assert shard.get(doomed, "max").kv == "queued"
+    finally:
+        shard.arena.close()
+        shutil.rmtree(settings.arena_dir, ignore_errors=True)
+
+
+def test_eviction_passes_over_pinned_entries(smollm2_dir, redis_server) -> None:
+    settings = shard_settings(window_turns=0)
+    shard = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=uuid.uuid4().hex[:8])
+    try:
+        ids = [r["id"] for r in shard.add_facts("ola", [NewFact(text=f"Ola has {i} cats.") for i in range(3)])]
+        _encode_all(shard)
+        geometry = shard.arena.geometry
+        shard.arena.page_owner[shard.arena.page_owner < 0] = 10**6  # no free page left
+        lru = list(shard.kv.lru)  # least recently used first
+        oldest, second = shard.facts[lru[0]].ref, shard.facts[lru[1]].ref
+        shard.arena.pin(oldest.entry_id, oldest.generation)  # a request injects the least recently used fact
+        (new,) = [r["id"] for r in shard.add_facts("ola", [NewFact(text="Ola has a dog.")])]
+        _encode_all(shard)
+        assert shard.facts[new].ref is not None and shard.facts[lru[0]].ref == oldest  # the pinned one stayed
+        assert shard.facts[lru[1]].ref is None and shard.arena.state_of(second) in ("free", "stale")
+        for key in (lru[2], new):  # pin everything: an allocation fails at once instead of looping
+            ref = shard.facts[key].ref
+            shard.arena.pin(ref.entry_id, ref.generation)
+        shard.plan_chat("ola", [{"role": "user", "content": "How many cats?"}], k=4)  # queues the evicted one again
+        assert shard.take_encode_jobs() == [] and shard.pending_encodes() == 1  # it waits for room
+        assert geometry.num_pages == int((shard.arena.page_owner >= 0).sum())
+    finally:
+        shard.arena.close()
         shutil.rmtree(settings.arena_dir, ignore_errors=True)

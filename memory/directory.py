@@ -1,0 +1,76 @@
+"""UserDirectory: the ingress's async, cached view of where memory lives (user -> shard, fact -> owner).
+
+Both maps only ever grow (a user keeps its shard until its memory is erased; a fact id keeps its
+owner forever), so the ingress caches them and the chat path does not touch Redis once a user
+is known. Reads use redis.asyncio with short socket timeouts: a Redis outage answers within
+about a second instead of blocking the ingress's event loop.
+"""
+
+from __future__ import annotations
+
+import json
+
+import redis.asyncio as aioredis
+
+from memory.redis_keys import RedisKeys, stable_shard
+
+_MAX_CACHED = 200_000  # entries per map; cleared whole when full (a re-read is one Redis call)
+
+
+class UserDirectory:
+    def __init__(self, client: aioredis.Redis, prefix: str = "kvmem") -> None:
+        self.r = client
+        self.keys = RedisKeys(prefix)
+        self._shards: dict[str, int] = {}
+        self._owners: dict[str, str] = {}
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "kvmem", timeout_s: float = 1.0) -> "UserDirectory":
+        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        return cls(client, prefix)
+
+    def cached_shard(self, user_id: str) -> int | None:
+        return self._shards.get(user_id)
+
+    async def shard_of(self, user_id: str, num_shards: int) -> int:
+        """The user's shard: read back once assigned, else assigned now by a stable hash."""
+        cached = self._shards.get(user_id)
+        if cached is not None:
+            return cached
+        key = self.keys.user(user_id, "shard")
+        current = await self.r.get(key)
+        if current is None:
+            shard = stable_shard(user_id, num_shards)
+            if await self.r.set(key, shard, nx=True):
+                await self.r.sadd(self.keys.shard_users(shard), user_id)
+            current = await self.r.get(key)
+        shard = int(current if current is not None else stable_shard(user_id, num_shards))
+        self._remember(self._shards, user_id, shard)
+        return shard
+
+    async def owner_of_fact(self, fact_id: str) -> str | None:
+        cached = self._owners.get(fact_id)
+        if cached is not None:
+            return cached
+        raw = await self.r.hget(self.keys.fact(fact_id), "user_id")
+        if raw is None:
+            return None
+        owner = json.loads(raw)
+        self._remember(self._owners, fact_id, owner)
+        return owner
+
+    def forget_user(self, user_id: str) -> None:
+        """After the user's memory was erased (its placement is gone from Redis too)."""
+        self._shards.pop(user_id, None)
+
+    async def ping(self) -> None:
+        await self.r.ping()
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    @staticmethod
+    def _remember(cache: dict, key: str, value: object) -> None:
+        if len(cache) >= _MAX_CACHED:
+            cache.clear()
+        cache[key] = value

