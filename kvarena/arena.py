@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvarena.geometry import ArenaError, ArenaFull, ArenaGeometry, arena_geometry_for
-from kvarena.tables import FREE, LIVE, RETIRED, STATE_NAMES, WRITING, ArenaTables, EntryRef, EntryView, entry_dtype, table_sizes
+from kvarena.tables import FREE, LIVE, RETIRED, STATE_NAMES, TAG_BYTES, WRITING, ArenaTables, EntryRef, EntryView, entry_dtype, table_sizes
 
 if TYPE_CHECKING:
     import torch
@@ -114,9 +114,10 @@ class FactArena(ArenaTables):
     # ------------------------------------------------------------------ owner side
     def allocate(self, token_ids: list[int] | np.ndarray, encode_start: int, tag: bytes = b"") -> EntryRef:
         """Reserve an entry and its pages for `token_ids` encoded from position `encode_start`.
-        `tag` (at most 16 bytes) names what the entry holds, for a restarted owner (live_entries)."""
-        if len(tag) > 16:
-            raise ArenaError(f"an entry tag holds at most 16 bytes, got {len(tag)}")
+        `tag` (at most 16 bytes, stored padded with zero bytes to 16) names what the entry holds,
+        for a restarted owner (live_entries)."""
+        if len(tag) > TAG_BYTES:
+            raise ArenaError(f"an entry tag holds at most {TAG_BYTES} bytes, got {len(tag)}")
         g = self.geometry
         n = len(token_ids)
         if n <= 0:
@@ -140,7 +141,7 @@ class FactArena(ArenaTables):
             record["n_pages"] = n_pages
             record["pages"][:n_pages] = pages
             record["pins"] = 0
-            record["tag"] = tag
+            record["tag"] = np.void(tag.ljust(TAG_BYTES, b"\0"))
             self.page_owner[pages] = entry_id
             self.token_ids[self._token_slots(pages, n)] = np.asarray(token_ids, dtype=np.int32)
             record["state"] = WRITING
@@ -167,8 +168,8 @@ class FactArena(ArenaTables):
             return True
 
     def live_entries(self) -> list[tuple[EntryRef, bytes, np.ndarray]]:
-        """(ref, tag, token ids) of every LIVE entry: what a restarted owner may adopt instead of
-        encoding it again."""
+        """(ref, tag (its 16 stored bytes), token ids) of every LIVE entry: what a restarted owner
+        may adopt instead of encoding it again."""
         with self.locked():
             ids = np.flatnonzero(self.entries["state"] == LIVE)
             views = [self._view(int(e)) for e in ids]

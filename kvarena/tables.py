@@ -31,6 +31,8 @@ import numpy as np
 from kvarena.geometry import ArenaError, ArenaGeometry
 
 FREE, WRITING, LIVE, RETIRED = 0, 1, 2, 3
+TAG_BYTES = 16
+NO_TAG = np.void(bytes(TAG_BYTES))
 STATE_NAMES = {FREE: "free", WRITING: "writing", LIVE: "live", RETIRED: "retired"}
 
 
@@ -64,7 +66,7 @@ def entry_dtype(max_pages: int) -> np.dtype:
             ("n_tokens", np.int32),
             ("encode_start", np.int32),
             ("n_pages", np.int32),
-            ("tag", "S16"),  # the owner's name for what the entry holds (e.g. a digest of fact id and version)
+            ("tag", "V16"),  # the owner's name for what it holds, raw bytes (S16 would drop trailing NULs of a digest)
             ("pages", np.int32, (max_pages,)),
         ]
     )
@@ -130,7 +132,7 @@ class ArenaTables:
         self.page_device[pages] = -1  # the worker's copy is stale now (it checks generations)
         record["n_pages"] = 0
         record["n_tokens"] = 0
-        record["tag"] = b""
+        record["tag"] = NO_TAG
         record["state"] = FREE
 
     def _token_slots(self, pages: np.ndarray, n_tokens: int) -> np.ndarray:

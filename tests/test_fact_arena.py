@@ -216,13 +216,18 @@ def test_a_new_scheduler_clears_the_pins_a_dead_engine_left_and_frees_what_they_
 
 
 def test_live_entries_carry_their_owners_tags_and_tokens(arena: FactArena) -> None:
-    tagged = arena.allocate([5, 6, 7], 2, tag=b"fact-a:1")
+    digest = bytes(range(15)) + b"\0"  # a digest may end in zero bytes: they are kept
+    tagged = arena.allocate([5, 6, 7], 2, tag=digest)
     arena.commit(tagged)
+    short = arena.allocate([4], 0, tag=b"fact-b:1")
+    arena.commit(short)
     arena.allocate([8, 9], 0, tag=b"writing")  # not live: never offered for adoption
-    ((ref, tag, tokens),) = arena.live_entries()
-    assert ref == tagged and tag == b"fact-a:1" and tokens.tolist() == [5, 6, 7]
+    (ref, tag, tokens), (_, short_tag, _) = arena.live_entries()
+    assert ref == tagged and tag == digest and tokens.tolist() == [5, 6, 7]
+    assert short_tag == b"fact-b:1".ljust(16, b"\0")
     arena.release(tagged)
-    assert arena.live_entries() == [] and arena.entries[tagged.entry_id]["tag"] == b""
+    arena.release(short)
+    assert arena.live_entries() == [] and bytes(arena.entries[tagged.entry_id]["tag"]) == bytes(16)
     with pytest.raises(ArenaError):
         arena.allocate([1], 0, tag=b"x" * 17)
     other = arena.allocate([1], 0, tag=b"b")

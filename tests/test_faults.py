@@ -234,18 +234,18 @@ def _live_entries() -> dict[bytes, tuple[int, int]]:
         arena.close()
 
 
-def _replica_health(timeout_s: float = 10.0) -> dict[str, str]:
+def _replica_health(timeout_s: float = 30.0) -> dict[str, str]:
     """LLMReplica.health() through Serve (what the ingress's /health reports per replica)."""
     from ray import serve
 
     return serve.get_deployment_handle("LLMReplica_0", app_name="kvmem").health.remote().result(timeout_s=timeout_s)
 
 
-def _engine_reported_down(within_s: float = 10.0) -> str:
+def _engine_reported_down(within_s: float = 30.0) -> str:
     """The engine half of the replica's health report once it stops saying "ok"."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if (engine := _replica_health()["engine"]) != "ok":
+        if (engine := _replica_health(max(1.0, deadline - time.monotonic()))["engine"]) != "ok":
             return engine
         time.sleep(0.2)
     raise AssertionError(f"the replica still reported its engine ok {within_s:.0f} s after the kill")
@@ -320,9 +320,11 @@ def test_a_window_far_beyond_the_context_is_trimmed_and_the_add_returns_quickly(
     elapsed = time.monotonic() - started
     assert status == 200, body
     fact_id = body["results"][0]["id"]
-    record = requests.get(f"{service}/v1/memories/{fact_id}", timeout=30).json()
-    print(f"long-window add answered in {elapsed:.1f} s, KV {record['kv']}")
-    assert record["kv"] == "live" and record["kv_attempts"] == 0 and elapsed < 30
+    while (record := requests.get(f"{service}/v1/memories/{fact_id}", timeout=30).json())["kv"] != "live":
+        assert record["kv"] in ("queued", "encoding") and time.monotonic() - started < 90, record
+        time.sleep(0.5)
+    print(f"long-window add answered in {elapsed:.1f} s, its KV live after {time.monotonic() - started:.1f} s")
+    assert record["kv_attempts"] == 0 and elapsed < 30  # encoded at the first attempt; the add waited 10 s at most
     layout = PromptLayout(AutoTokenizer.from_pretrained(smollm2_dir), DEFAULT_INSTRUCTION)
     expected = layout.encode_prompt(fact, turns[:5], max_tokens=CONTEXT - 1)
     assert len(layout.prefix_ids) < expected.start and len(expected.token_ids) <= CONTEXT - 1
@@ -347,6 +349,7 @@ def test_kill_the_engine_core_under_load(service: str) -> None:
     replica = _replica_process()
     core = _engine_core(replica)
     workers = core.children(recursive=True)
+    assert _replica_health() == {"engine": "ok", "shard": "ok"}
     reported: list[str] = []
     load, recovery = _kill_under_load(service, "engine", core, lambda: reported.append(_engine_reported_down()))
     assert reported[0].startswith("restarting"), reported  # health() answered while the engine was down

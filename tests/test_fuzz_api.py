@@ -20,7 +20,7 @@ from tests.serve_harness import running_service
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = 12  # per operation and mode: about 300 requests, 2-3 minutes on 2 cores
+EXAMPLES = 10  # per operation and mode: about 220 requests, 1-2 minutes on 2 cores (plus the start)
 
 
 @pytest.fixture(scope="module")
