@@ -72,7 +72,13 @@ def _http_error(exc: BaseException) -> HTTPException | None:
         return HTTPException(status_code=400, detail=message)
     if isinstance(cause, NotFound):
         return HTTPException(status_code=404, detail=message)
+    if type(cause).__name__ in _ENGINE_DOWN:  # by name: the ingress does not import vLLM
+        return HTTPException(503, f"the engine is restarting, try again shortly ({message})", {"Retry-After": "5"})
     return None
+
+
+# vLLM's errors for a dead engine (vllm.v1.engine.exceptions); the replica restarts it in place
+_ENGINE_DOWN = {"EngineDeadError", "EngineGenerateError"}
 
 
 def _unavailable(what: str, exc: BaseException) -> HTTPException:
