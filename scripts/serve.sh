@@ -12,7 +12,7 @@ if [ -z "${REDIS_URL:-}" ]; then
   "$VENV/bin/python" -m devtools.local_redis --dir .cache/redis > .cache/redis/url 2> .cache/redis/log &
   REDIS_PID=$!
   trap 'kill $REDIS_PID 2>/dev/null || true' EXIT
-  for _ in $(seq 100); do [ -s .cache/redis/url ] && break; sleep 0.1; done
+  for _ in $(seq 600); do [ -s .cache/redis/url ] && break; sleep 0.1; done  # up to 60 s on a busy machine
   REDIS_URL=$(head -1 .cache/redis/url)
   [ -n "$REDIS_URL" ] || { echo "local Redis did not start: $(cat .cache/redis/log)" >&2; exit 1; }
   export REDIS_URL
