@@ -18,7 +18,11 @@ from devtools.local_redis import free_loopback_port
 
 
 def small_service_args(redis_url: str, model_dir: Path, namespace: str, arena_dir: str, **overrides: Any) -> dict[str, Any]:
-    """ServiceSettings args for tests: SmolLM2 bf16, short context, exact index on the CPU."""
+    """ServiceSettings args for tests: SmolLM2 bf16, short context, exact index on the CPU.
+
+    Every test module shares one Redis server, so each service writes under its own key prefix
+    (`kvmem-<namespace>`): a shard rebuilds its users from Redis at start, and must not adopt
+    facts another module left behind."""
     args: dict[str, Any] = {
         "redis_url": redis_url,
         "engine": {"model": str(model_dir), "dtype": "bfloat16", "max_model_len": 1024, "cpu_kv_cache_space_gib": 1},
@@ -26,7 +30,12 @@ def small_service_args(redis_url: str, model_dir: Path, namespace: str, arena_di
         "llm_replicas": 1,
         "llm_replica_num_cpus": 0,
         "namespace": namespace,
-        "memory": {"window_turns": 2, "arena_dir": arena_dir, "index": {"backend": "exact", "device": "cpu"}},
+        "memory": {
+            "window_turns": 2,
+            "arena_dir": arena_dir,
+            "redis_prefix": f"kvmem-{namespace}",
+            "index": {"backend": "exact", "device": "cpu"},
+        },
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(args.get(key), dict):

@@ -20,13 +20,15 @@ from tests.serve_harness import running_service
 pytestmark = pytest.mark.slow
 
 ADMIN_KEY = "kvm-test-admin-key-0123456789"
+NAMESPACE = "auth"
+PREFIX = f"kvmem-{NAMESPACE}"  # the Redis key prefix tests.serve_harness gives this service
 B_FACTS = [f"Bea keeps a secret diary entry number {i} about the garden and the blue shed." for i in range(12)]
 QUESTION = "What do I keep in my diary?"
 
 
 @pytest.fixture(scope="module")
 def service(redis_server, smollm2_dir):
-    with running_service(redis_server.url, smollm2_dir, "auth", auth={"mode": "keys", "admin_key": ADMIN_KEY}) as url:
+    with running_service(redis_server.url, smollm2_dir, NAMESPACE, auth={"mode": "keys", "admin_key": ADMIN_KEY}) as url:
         yield url
 
 
@@ -137,14 +139,15 @@ def test_delete_erases_text_and_delete_all_erases_the_user(service: str, keys: d
     assert [e["event"] for e in history] == ["ADD", "DELETE"]
     assert all(e["old_text"] is None and e["new_text"] is None for e in history)
     client = redis.Redis.from_url(redis_server.url)
-    dump = b"".join(
-        str(client.dump(k)).encode() for k in client.scan_iter(match="kvmem:*") if client.type(k) != b"none"
-    )
+    service_keys = list(client.scan_iter(match=f"{PREFIX}:*"))
+    assert service_keys  # the prefix is the service's: the scan below looks at its data
+    dump = b"".join(str(client.dump(k)).encode() for k in service_keys if client.type(k) != b"none")
     assert b"4711" not in dump  # no key of the service holds the text any more
 
     turns = {"user_id": "dee", "turns": [{"turn_id": "t1", "speaker": "dee", "text": "My PIN is 9876."}], "facts": ["Dee's PIN is 9876."]}
     ok(call("POST", f"{service}/v1/memories", ADMIN_KEY, json=turns))
+    assert list(client.scan_iter(match=f"{PREFIX}:user:dee:*"))  # written, so their absence below means erased
     assert ok(call("DELETE", f"{service}/v1/memories", ADMIN_KEY, params={"user_id": "dee"}))["deleted"] == 1
-    assert not list(client.scan_iter(match="kvmem:user:dee:*"))  # turns, placement, sets: gone
-    assert not any(b"dee" == m for k in client.scan_iter(match="kvmem:shard:*:users") for m in client.smembers(k))
+    assert not list(client.scan_iter(match=f"{PREFIX}:user:dee:*"))  # turns, placement, sets: gone
+    assert not any(b"dee" == m for k in client.scan_iter(match=f"{PREFIX}:shard:*:users") for m in client.smembers(k))
     assert ok(call("GET", f"{service}/v1/memories", ADMIN_KEY, params={"user_id": "dee"}))["results"] == []

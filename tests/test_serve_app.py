@@ -9,50 +9,15 @@ import time
 import pytest
 import requests
 
-from devtools.local_redis import free_loopback_port
+from tests.serve_harness import running_service
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def served_app(redis_server, smollm2_dir):
-    import ray
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    import shutil
-    import tempfile
-
-    port = free_loopback_port()
-    arena_dir = tempfile.mkdtemp(prefix="kvmem-e2e-", dir="/dev/shm")
-    metrics_port = free_loopback_port()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _metrics_export_port=metrics_port,
-        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}},
-    )
-    os.environ["KVMEM_TEST_METRICS_URL"] = f"http://127.0.0.1:{metrics_port}/metrics"
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = {
-        "redis_url": redis_server.url,
-        "engine": {"model": str(smollm2_dir), "dtype": "bfloat16", "max_model_len": 1024, "cpu_kv_cache_space_gib": 1},
-        "default_max_tokens": 32,
-        "llm_replicas": 2,
-        "llm_replica_num_cpus": 0,
-        "namespace": "e2e",
-        "memory": {
-            "window_turns": 2,
-            "arena_dir": arena_dir,
-            "index": {"backend": "exact", "device": "cpu"},
-        },
-    }
-    serve.run(build_app(args), name="kvmem", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-    shutil.rmtree(arena_dir, ignore_errors=True)
+    with running_service(redis_server.url, smollm2_dir, "e2e", metrics=True, llm_replicas=2) as url:
+        yield url
 
 
 def test_chat_completion_is_generated_by_smollm2(served_app: str) -> None:
@@ -200,7 +165,9 @@ def test_streamed_chat_equals_the_whole_answer(served_app: str) -> None:
 def test_concurrent_users_on_two_shards_only_ever_see_their_own_memory(served_app: str, redis_server) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from memory.fact_store import FactStore
+    import redis
+
+    from memory.redis_keys import RedisKeys
 
     users = [f"conc-{i}" for i in range(6)]
     pets = ["parrot", "hamster", "iguana", "rabbit", "tortoise", "ferret"]
@@ -223,5 +190,6 @@ def test_concurrent_users_on_two_shards_only_ever_see_their_own_memory(served_ap
         assert answer["memory"]["cached_tokens"] >= answer["memory"]["injected_tokens"] > 0
     shards = requests.get(f"{served_app}/v1/shards", timeout=60).json()["results"]
     assert all(s["pending_encodes"] == 0 for s in shards)
-    store = FactStore.from_url(redis_server.url)
-    assert {store.shard_of(u, 2) for u in users} == {0, 1}  # both shards served some of them
+    client, keys = redis.Redis.from_url(redis_server.url), RedisKeys("kvmem-e2e")  # the prefix serve_harness gives "e2e"
+    placements = [client.get(keys.user(u, "shard")) for u in users]
+    assert None not in placements and {int(p) for p in placements} == {0, 1}  # both shards served some of them
