@@ -146,8 +146,9 @@ def load_conversations(path: Path, indices: list[int] | None, run_tag: str, max_
     return conversations
 
 
-def ingest(service: Service, conversations: list[Conversation], extract: bool) -> dict[str, Any]:
-    """One add per turn, in order; returns counts and add latencies."""
+def ingest(service: Service, conversations: list[Conversation], extract: bool, wait_for_kv: bool = False) -> dict[str, Any]:
+    """One add per turn, in order (each answered once durable, or once its KV is live with
+    `wait_for_kv`); returns counts and add latencies."""
     latencies: list[float] = []
     facts = 0
     started = time.perf_counter()
@@ -168,6 +169,7 @@ def ingest(service: Service, conversations: list[Conversation], extract: bool) -
                                                                 "text": turn.text, "session_time": turn.session_time}]}
                     if sent:
                         body |= {"facts": sent, "source_id": turn.turn_id}
+                body["wait_for_kv"] = wait_for_kv
                 t0 = time.perf_counter()
                 results = service.call("POST", "/v1/memories", json=body)["results"]
                 latencies.append(time.perf_counter() - t0)
@@ -179,7 +181,8 @@ def ingest(service: Service, conversations: list[Conversation], extract: bool) -
                 bar.update(1)
     return {"adds": len(latencies), "facts": facts, "seconds": round(time.perf_counter() - started, 1),
             "facts_without_turn": sum(c.facts_without_turn for c in conversations),
-            "add_latency_ms": {"p50": _ms(percentile(latencies, 50)), "p90": _ms(percentile(latencies, 90))}}
+            "add_latency_ms": {"p50": _ms(percentile(latencies, 50)), "p90": _ms(percentile(latencies, 90)),
+                               "p99": _ms(percentile(latencies, 99))}}
 
 
 def wait_for_encodes(service: Service, timeout_s: float, poll_s: float = 2.0) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class MemorySettings(BaseModel):
     add_encode_wait_s: float = Field(
         30.0,
         ge=0,
-        description="Most seconds an add or update waits for its facts' KV before answering; the facts are stored and "
-        "acknowledged either way, and their KV follows in the background (prefilled as text until then).",
+        description="Most seconds an add or update that asks for it (wait_for_kv) waits for its facts' KV before "
+        "answering; the facts are stored and acknowledged either way, and their KV follows in the background "
+        "(prefilled as text until then).",
     )

@@ -21,6 +21,7 @@ in tests and scripts), and with an AsyncLLM (serving) or a synchronous vllm.LLM 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -157,6 +158,7 @@ class EncodeDriver:
         self.request_timeout_s = request_timeout_s
         self.priority = priority
         self._lock = asyncio.Lock()  # one batch at a time; held per batch, so drains interleave
+        self._work = asyncio.Event()  # set by wake(): facts were queued, do not wait out the idle poll
 
     async def _one_batch(self) -> int | None:
         """Take, run and report one batch; None when the shard had nothing queued."""
@@ -225,12 +227,19 @@ class EncodeDriver:
             logger.warning("facts stored; their KV follows in the background (%s)", exc)
             return False
 
+    def wake(self) -> None:
+        """Facts were just queued (an add that does not wait for its KV): run_forever drains now."""
+        self._work.set()
+
     async def run_forever(self, idle_s: float = 0.5) -> None:
-        """Background loop: picks up work queued by a restart rebuild or evicted facts in use."""
+        """Background loop: encodes what adds queued (woken by wake()), what a restart rebuild
+        queued and evicted facts in use (polled every `idle_s`)."""
         while True:
             try:
-                if await self.drain() == 0:
-                    await asyncio.sleep(idle_s)
+                self._work.clear()
+                if await self.drain() == 0 and not self._work.is_set():
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._work.wait(), idle_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a shard restarting: its calls fail until it is back

@@ -244,7 +244,7 @@ class ChatAPI:
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
     ) -> dict[str, Any]:
         replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
-        return (await self._answer(replica.update.remote(fact_id, owner, request.text))).model_dump()
+        return (await self._answer(replica.update.remote(fact_id, owner, request.text, wait_for_kv=request.wait_for_kv))).model_dump()
 
     @api.delete("/v1/memories/{fact_id}")
     async def delete(

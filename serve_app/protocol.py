@@ -287,6 +287,12 @@ class AddMemoryRequest(BaseModel):
     )
     source_id: str | None = Field(None, min_length=1, max_length=128, description="Turn id the given facts come from.")
     infer: bool = Field(True, description="Extract facts from `messages` with the served model.")
+    wait_for_kv: bool = Field(
+        False,
+        description="Answer only once the facts' KV is live (at most memory.add_encode_wait_s). By default an add "
+        "answers as soon as its records are durable in Redis; the KV follows in the background (pending_encodes in "
+        "/v1/shards) and chats prefill the facts as text until then.",
+    )
 
     @model_validator(mode="after")
     def _something_to_add(self) -> "AddMemoryRequest":
@@ -310,6 +316,7 @@ class UpdateMemoryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     text: NonBlank = Field(..., max_length=MAX_FACT_CHARS, description="New text; must fit one KV arena entry.")
+    wait_for_kv: bool = Field(False, description="Answer only once the new text's KV is live, as for an add.")
 
 
 class ErrorBody(BaseModel):

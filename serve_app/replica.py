@@ -299,9 +299,17 @@ class LLMReplica:
         source = request.source_id or (turns[-1].turn_id if turns else None)
         facts += [NewFact(text=text, source_id=source) for text in request.facts or []]
         results = await self.shard.add_facts(user, facts)
-        # acknowledged: stored in Redis; the KV is awaited a bounded time, then follows in the background
-        await self.driver.settle([r["id"] for r in results], self.settings.memory.add_encode_wait_s)
+        await self._acknowledge([r["id"] for r in results], request.wait_for_kv)
         return {"results": results}
+
+    async def _acknowledge(self, fact_ids: list[str], wait_for_kv: bool) -> None:
+        """The facts are durable in Redis (appendfsync always): answer now and let the background
+        encoder take their KV (woken at once, batched with other adds' facts), or, when the caller
+        asked, wait for it first (bounded by memory.add_encode_wait_s)."""
+        if wait_for_kv:
+            await self.driver.settle(fact_ids, self.settings.memory.add_encode_wait_s)
+        else:
+            self.driver.wake()
 
     async def search(self, user_id: str, query: str, limit: int) -> list[MemoryHit]:
         return await self.shard.search(user_id, query, limit)
@@ -313,13 +321,14 @@ class LLMReplica:
         with _not_found():
             return await self.shard.get(fact_id, user_id)
 
-    async def update(self, fact_id: str, user_id: str, text: str) -> FactRecord:
-        """New text: the fact's KV is re-encoded before this returns."""
+    async def update(self, fact_id: str, user_id: str, text: str, *, wait_for_kv: bool = False) -> FactRecord:
+        """New text, durable before this returns; the old KV is never injected again and the new
+        one follows (awaited when `wait_for_kv`)."""
         self._ensure_driver()
         await asyncio.to_thread(self.limits.check_fact, text, "text")
         with _not_found():
             record = await self.shard.update(fact_id, user_id, text)
-        await self.driver.settle([fact_id], self.settings.memory.add_encode_wait_s)
+        await self._acknowledge([fact_id], wait_for_kv)
         return record
 
     async def delete(self, fact_id: str, user_id: str) -> FactRecord:

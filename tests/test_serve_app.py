@@ -64,14 +64,24 @@ def _post(url: str, body: dict, status: int = 200) -> dict:
     return response.json()
 
 
+def _wait_until_kv_live(base: str, user_id: str, fact_ids: list[str], deadline: float) -> None:
+    """Poll each fact's record until its KV is live (queued and encoding are the only ways there)."""
+    for fact_id in fact_ids:
+        while (record := requests.get(f"{base}/{fact_id}", params={"user_id": user_id}, timeout=60).json())["kv"] != "live":
+            assert record["kv"] in ("queued", "encoding") and time.monotonic() < deadline, record
+            time.sleep(0.2)
+
+
 def test_memory_add_search_chat_update_delete(served_app: str) -> None:
     base = f"{served_app}/v1/memories"
+    started = time.monotonic()
     added = _post(base, {"user_id": "erin", "facts": ["Erin's cat is called Miso.", "Erin works as a nurse in Leeds."]})
     ids = [r["id"] for r in added["results"]]
     assert [r["event"] for r in added["results"]] == ["ADD", "ADD"]
+    _wait_until_kv_live(base, "erin", ids, started + 120)  # acknowledged when durable; the KV follows by itself
     again = _post(base, {"user_id": "erin", "facts": ["Erin's cat is called Miso."]})
     assert again["results"] == [{"id": ids[0], "memory": "Erin's cat is called Miso.", "event": "NONE"}]
-    other = _post(base, {"user_id": "frank", "facts": ["Erin's cat is called Miso."]})  # same text, other user
+    other = _post(base, {"user_id": "frank", "facts": ["Erin's cat is called Miso."], "wait_for_kv": True})  # same text, other user
     frank_id = other["results"][0]["id"]
     assert frank_id not in ids
 
@@ -87,7 +97,7 @@ def test_memory_add_search_chat_update_delete(served_app: str) -> None:
     assert prompt["memory"]["mode"] == "prompt" and prompt["usage"]["prompt_tokens"] == kv["usage"]["prompt_tokens"]
     assert "Miso" in kv["choices"][0]["message"]["content"] or "Miso" in prompt["choices"][0]["message"]["content"]
 
-    updated = requests.put(f"{base}/{ids[1]}", json={"text": "Erin works as a teacher in York."}, timeout=300)
+    updated = requests.put(f"{base}/{ids[1]}", json={"text": "Erin works as a teacher in York.", "wait_for_kv": True}, timeout=300)
     assert updated.status_code == 200 and updated.json()["version"] == 2
     assert requests.delete(f"{base}/{ids[0]}", timeout=60).status_code == 200
     listed = requests.get(base, params={"user_id": "erin"}, timeout=60).json()["results"]
@@ -126,7 +136,7 @@ def test_add_from_messages_extracts_facts_with_the_served_model(served_app: str)
 
 def test_prometheus_metrics_are_exported(served_app: str) -> None:
     """After chats with memory, the service's own metrics reach Ray's Prometheus endpoint."""
-    _post(f"{served_app}/v1/memories", {"user_id": "hana", "facts": ["Hana collects stamps."]})
+    _post(f"{served_app}/v1/memories", {"user_id": "hana", "facts": ["Hana collects stamps."], "wait_for_kv": True})
     chat = {"user": "hana", "messages": [{"role": "user", "content": "What do I collect?"}], "max_tokens": 4}
     _post(f"{served_app}/v1/chat/completions", chat)
     requests.get(f"{served_app}/v1/shards", timeout=60)
@@ -144,7 +154,7 @@ def test_prometheus_metrics_are_exported(served_app: str) -> None:
 def test_streamed_chat_equals_the_whole_answer(served_app: str) -> None:
     import json
 
-    _post(f"{served_app}/v1/memories", {"user_id": "ines", "facts": ["Ines plays the oboe in an orchestra."]})
+    _post(f"{served_app}/v1/memories", {"user_id": "ines", "facts": ["Ines plays the oboe in an orchestra."], "wait_for_kv": True})
     body = {"user": "ines", "messages": [{"role": "user", "content": "Which instrument do I play?"}], "max_tokens": 20}
     whole = _post(f"{served_app}/v1/chat/completions", body)
     with requests.post(f"{served_app}/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=300) as response:
@@ -173,7 +183,7 @@ def test_concurrent_users_on_two_shards_only_ever_see_their_own_memory(served_ap
     pets = ["parrot", "hamster", "iguana", "rabbit", "tortoise", "ferret"]
 
     def add(i: int) -> set[str]:
-        body = {"user_id": users[i], "facts": [f"My pet is a {pets[i]}.", f"I was born in city number {i}."]}
+        body = {"user_id": users[i], "facts": [f"My pet is a {pets[i]}.", f"I was born in city number {i}."], "wait_for_kv": True}
         return {r["id"] for r in _post(f"{served_app}/v1/memories", body)["results"]}
 
     def chat(i: int) -> dict:
