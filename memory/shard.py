@@ -271,6 +271,7 @@ class MemoryShard:
             "facts_encoded_total": self.kv.facts_encoded,
             "pending_encodes": self.pending_encodes(),
             "index_vectors": len(self.index),
+            "index_backend": f"{type(self.index).__name__} on {getattr(self.index, 'device', 'cpu')}",  # CagraIndex | ExactIndex
             "host_bytes_used": usage["bytes_host"],
             "host_bytes_capacity": self.arena.geometry.kv_bytes(),
             "device_bytes_used": usage["bytes_device"],  # pages the engine's HBM tier holds too

@@ -117,6 +117,7 @@ def test_memory_add_search_chat_update_delete(served_app: str) -> None:
     assert requests.delete(base, params={"user_id": "frank"}, timeout=60).json()["deleted"] == 1
     shards = requests.get(f"{served_app}/v1/shards", timeout=60).json()["results"]
     assert len(shards) == 2 and sum(s["facts"] for s in shards) == 1
+    assert {s["index_backend"] for s in shards} == {"ExactIndex on cpu"}  # what the config asked for
 
 
 def test_add_from_messages_extracts_facts_with_the_served_model(served_app: str) -> None:

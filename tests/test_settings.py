@@ -37,3 +37,21 @@ def test_the_app_refuses_to_build_without_redis(monkeypatch) -> None:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match="redis_url"):
         build_app({})
+
+
+@pytest.mark.parametrize("config", ["config.yaml", "config.gpu.yaml"])
+def test_shipped_serve_configs_are_valid_settings(config: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each `serve run` config's args are ServiceSettings as they stand (a typo fails here, not at start)."""
+    from pathlib import Path
+
+    import yaml
+
+    for name in ("REDIS_URL", "KVMEM_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    doc = yaml.safe_load((Path(__file__).resolve().parent.parent / config).read_text())
+    (app,) = doc["applications"]
+    assert app["import_path"] == "serve_app.app:build_app"
+    settings = ServiceSettings.from_args(app["args"])
+    if config == "config.gpu.yaml":
+        assert not settings.engine.enforce_eager and settings.memory.arena.device_pages > 0
+        assert settings.llm_replica_num_gpus + settings.shard_num_gpus <= 1 and settings.auth.mode == "keys"
