@@ -206,10 +206,15 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="Prompt tokens the engine did not prefill (prefix-cached or injected).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class MemoryUsage(BaseModel):

@@ -39,6 +39,7 @@ from serve_app.protocol import (
     NotFound,
     RequestRejected,
     ResponseMessage,
+    PromptTokensDetails,
     Usage,
 )
 from serve_app.errors import RefusalsAreNotFailures
@@ -58,8 +59,14 @@ def _count(counter: Counter, value: float) -> None:
         counter.inc(value)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+def _usage(prompt_tokens: int, completion_tokens: int, output: Any) -> Usage:
+    """OpenAI usage, with the engine's prefix-cache (and injection) hits as cached_tokens."""
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens or 0),
+    )
 
 
 @contextlib.contextmanager
@@ -223,7 +230,7 @@ class LLMReplica:
         return ChatCompletionResponse(
             model=self.settings.served_model_name,
             choices=[choice],
-            usage=_usage(len(prompt_ids), len(completion.token_ids)),
+            usage=_usage(len(prompt_ids), len(completion.token_ids), final),
             memory=self._memory_usage(plan, final),
         )
 
@@ -252,7 +259,7 @@ class LLMReplica:
             sent_text, sent_tokens, first = len(completion.text), len(completion.token_ids), False
             chunk = ChatCompletionChunk(id=chunk_id, model=model, choices=[choice])
             if done:
-                usage = _usage(len(prompt_ids), len(completion.token_ids))
+                usage = _usage(len(prompt_ids), len(completion.token_ids), output)
                 memory = self._memory_usage(plan, output)
                 if not include_usage:
                     chunk.usage, chunk.memory = usage, memory

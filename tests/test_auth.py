@@ -128,6 +128,20 @@ def test_prefix_cache_never_reveals_another_users_memory(service: str, keys: dic
     assert as_a["memory"]["cached_tokens"] == 0
 
 
+def test_plain_chats_share_no_prefix_cache_across_users(service: str, keys: dict[str, str]) -> None:
+    """Mode none: no memory, yet the prompt itself is B's text, so its cached blocks are B's too."""
+    ann, bea = keys["ann"], keys["bea"]
+    text = "Bea's diary, page one: " + " ".join(f"on day {i} the tide came over the sandbar at dawn." for i in range(30))
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2, "memory": {"mode": "none"}}
+    first_b = ok(call("POST", f"{service}/v1/chat/completions", bea, json={**body, "user": "bea"}))
+    again_b = ok(call("POST", f"{service}/v1/chat/completions", bea, json={**body, "user": "bea"}))
+    as_a = ok(call("POST", f"{service}/v1/chat/completions", ann, json={**body, "user": "ann"}))
+    assert first_b["usage"]["prompt_tokens"] > 256 and as_a["usage"]["prompt_tokens"] == first_b["usage"]["prompt_tokens"]
+    assert again_b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # B's own repeat hits the prefix cache
+    assert as_a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert as_a.get("memory") is None and again_b.get("memory") is None
+
+
 def test_delete_erases_text_and_delete_all_erases_the_user(service: str, keys: dict[str, str], redis_server) -> None:
     import redis
 

@@ -251,6 +251,28 @@ def test_a_fact_deleted_or_updated_while_encoding_never_goes_live(smollm2_dir, r
         shutil.rmtree(settings.arena_dir, ignore_errors=True)
 
 
+def test_encodes_are_salted_per_user_like_their_chats(smollm2_dir, redis_server) -> None:
+    """Two users with the same fact text: their encode requests carry each user's own cache salt
+    (the one the replica gives that user's chats), so one user's encode never fills a prefix-cache
+    block the other can hit. The shared instruction prefix is the only unsalted entry."""
+    from memory.composition import scope_cache_salt
+    from memory.kv_lifecycle import PREFIX_KEY
+
+    settings = shard_settings(window_turns=0)
+    shard = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=uuid.uuid4().hex[:8])
+    try:
+        ids = {user: shard.add_facts(user, [NewFact(text="Likes green tea.")])[0]["id"] for user in ("lea", "max")}
+        jobs = shard.take_encode_jobs()
+        salts = {job.key: job.cache_salt for job in jobs}
+        assert salts[ids["lea"]] == scope_cache_salt(f"{settings.redis_prefix}:lea")
+        assert salts[ids["max"]] == scope_cache_salt(f"{settings.redis_prefix}:max") != salts[ids["lea"]]
+        assert salts.get(PREFIX_KEY, None) is None
+        shard.complete_encode_jobs({job.job_id: None for job in jobs})
+    finally:
+        shard.arena.close()
+        shutil.rmtree(settings.arena_dir, ignore_errors=True)
+
+
 def test_a_shard_replaces_an_arena_left_with_another_geometry(smollm2_dir, redis_server) -> None:
     settings = shard_settings(window_turns=0)
     namespace = uuid.uuid4().hex[:8]
