@@ -18,4 +18,8 @@ if [ -z "${REDIS_URL:-}" ]; then
   export REDIS_URL
   echo "local Redis at $REDIS_URL"
 fi
+# `serve run` says only that it submitted the config; this says when the app answers /health
+"$VENV/bin/python" -m devtools.announce_ready --config "$CONFIG" &
+ANNOUNCER_PID=$!
+trap 'kill $ANNOUNCER_PID ${REDIS_PID:-} 2>/dev/null || true' EXIT
 "$VENV/bin/serve" run "$CONFIG"

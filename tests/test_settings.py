@@ -55,3 +55,37 @@ def test_shipped_serve_configs_are_valid_settings(config: str, monkeypatch: pyte
     if config == "config.gpu.yaml":
         assert not settings.engine.enforce_eager and settings.memory.arena.device_pages > 0
         assert settings.llm_replica_num_gpus + settings.shard_num_gpus <= 1 and settings.auth.mode == "keys"
+
+
+def test_make_serve_announces_the_app_once_its_health_says_ok() -> None:
+    """devtools.announce_ready: the config's proxy address, and a report only once status is ok."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from pathlib import Path
+
+    from devtools.announce_ready import health_url, wait_until_healthy
+
+    root = Path(__file__).resolve().parent.parent
+    assert health_url(root / "config.yaml") == "http://127.0.0.1:8000/health"
+    assert health_url(root / "config.gpu.yaml") == "http://127.0.0.1:8000/health"  # 0.0.0.0 is reached on loopback
+    answers = iter([(503, {"status": "degraded"}), (200, {"status": "ok", "redis": "ok"})])
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            code, body = next(answers, (200, {"status": "ok", "redis": "ok"}))
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/health"
+        assert wait_until_healthy(url, timeout_s=20, poll_s=0.05) == {"status": "ok", "redis": "ok"}
+        assert wait_until_healthy("http://127.0.0.1:9/health", timeout_s=0.3, poll_s=0.05) is None  # nothing listens
+    finally:
+        server.shutdown()
