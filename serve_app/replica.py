@@ -84,6 +84,7 @@ class LLMReplica:
         from transformers import AutoTokenizer
 
         from memory.prompting import PromptLayout
+        from serve_app.engine import resolve_dtype
         from serve_app.replica_lifecycle import start_backends
 
         self.settings = settings
@@ -92,8 +93,10 @@ class LLMReplica:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.layout = PromptLayout(self.tokenizer, settings.memory.instruction)
         self.limits = TokenLimits(self.layout, settings)  # token bounds, checked before anything is stored or run
-        kv_dtype = "bfloat16" if settings.engine.dtype == "auto" else settings.engine.dtype  # SmolLM2/Llama: bf16
-        actor, self.keeper = start_backends(settings, shard_id, model, kv_dtype)
+        dtype = resolve_dtype(settings.engine)  # one concrete dtype for the engine and the shard's arena
+        settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"dtype": dtype})})
+        self.settings = settings
+        actor, self.keeper = start_backends(settings, shard_id, model, dtype)
         self.keeper.on_swap = lambda engine: setattr(self.driver, "engine", engine)
         self.shard = ShardClient(actor, timeout_s=settings.shard_call_timeout_s)
         self._driver_task: asyncio.Task | None = None

@@ -273,6 +273,30 @@ def test_encodes_are_salted_per_user_like_their_chats(smollm2_dir, redis_server)
         shutil.rmtree(settings.arena_dir, ignore_errors=True)
 
 
+def test_an_encode_batch_is_bounded_in_prompt_tokens(smollm2_dir, redis_server) -> None:
+    """A backlog of queued facts goes to the engine in batches of at most encode_batch_tokens
+    prompt tokens (one job always goes, however long), so a batch finishes
+    within its timeout on a slow engine."""
+    settings = shard_settings(window_turns=0).model_copy(update={"encode_batch_tokens": 100})
+    shard = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=uuid.uuid4().hex[:8])
+    try:
+        shard.complete_encode_jobs({job.job_id: None for job in shard.take_encode_jobs()})  # the prefix, if queued
+        ids = [r["id"] for r in shard.add_facts("nia", [NewFact(text=f"Nia's note number {i} is about {i} kites.") for i in range(8)])]
+        seen: list[str] = []
+        sizes: list[int] = []
+        while batch := shard.take_encode_jobs():
+            assert len(batch) == 1 or sum(len(job.token_ids) for job in batch) <= 100
+            seen, sizes = seen + [job.key for job in batch], sizes + [len(batch)]
+            shard.complete_encode_jobs({job.job_id: None for job in batch})  # not run: queued again at the back
+            if len(seen) >= len(ids):
+                break
+        assert sorted(seen[: len(ids)]) == sorted(ids)  # each fact once before any twice
+        assert len(sizes) > 1 and max(sizes) < len(ids)  # split by the budget, not by encode_batch (32)
+    finally:
+        shard.arena.close()
+        shutil.rmtree(settings.arena_dir, ignore_errors=True)
+
+
 def test_a_shard_replaces_an_arena_left_with_another_geometry(smollm2_dir, redis_server) -> None:
     settings = shard_settings(window_turns=0)
     namespace = uuid.uuid4().hex[:8]

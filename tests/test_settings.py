@@ -89,3 +89,11 @@ def test_make_serve_announces_the_app_once_its_health_says_ok() -> None:
         assert wait_until_healthy("http://127.0.0.1:9/health", timeout_s=0.3, poll_s=0.05) is None  # nothing listens
     finally:
         server.shutdown()
+
+
+def test_auto_dtype_is_float32_only_on_cpus_without_native_bf16() -> None:
+    from serve_app.engine import cpu_has_native_bf16
+
+    assert not cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")  # this machine's kind
+    assert cpu_has_native_bf16("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")  # Sapphire Rapids
+    assert cpu_has_native_bf16("Features\t: fp asimd bf16 i8mm\n")  # Arm Neoverse V1
