@@ -43,12 +43,13 @@ AUTH_HEADER = f"Bearer {FUZZ_ADMIN_KEY}"
 def fuzz_service_overrides() -> dict[str, Any]:
     """ServiceSettings overrides of the fuzzed deployment (tests.serve_harness.small_service_args):
     a 256-token context, 4 output tokens, one fact per extracted turn (a short JSON answer),
-    64-token arena entries (long facts are refused often), one window turn, so a request costs
-    the engine about a second on a CPU. Auth is on, as in production: every request carries the
+    64-token arena entries (long facts are refused often), one window turn, and the dtype the
+    service picks by default (float32 on CPUs without native bf16), so a request costs the engine
+    well under a second on a CPU. Auth is on, as in production: every request carries the
     admin key (AUTH_HEADER)."""
     return {
         "auth": {"mode": "keys", "admin_key": FUZZ_ADMIN_KEY, "cache_ttl_s": 30.0},
-        "engine": {"max_model_len": 256, "max_num_seqs": 8},
+        "engine": {"dtype": "auto", "max_model_len": 256, "max_num_seqs": 8},  # float32 on CPUs without native bf16
         "default_max_tokens": MAX_OUTPUT_TOKENS,
         "max_output_tokens": MAX_OUTPUT_TOKENS,
         "memory": {

@@ -71,6 +71,8 @@ def engine_kwargs(settings: EngineSettings, model: str, **overrides: Any) -> dic
     )
     if settings.block_size is not None:
         kwargs["block_size"] = settings.block_size
+    if settings.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
     kwargs.update(overrides)
     return kwargs
 

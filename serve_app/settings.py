@@ -36,6 +36,13 @@ class EngineSettings(BaseModel):
     cpu_kv_cache_space_gib: int = Field(2, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU platforms.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take.")
     max_num_seqs: int = Field(64, gt=0, description="Most sequences the engine schedules at once.")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Most tokens one engine step computes (the chunked-prefill chunk). A chat's next token waits for "
+        "the step, so on a CPU a small chunk (config.yaml: 512) keeps chats answering while fact encodes run; None "
+        "keeps vLLM's default (2048 on CPU, larger on GPUs).",
+    )
     multiprocess: bool = Field(
         True, description="Run the engine core in a subprocess (AsyncLLM's normal mode)."
     )
