@@ -150,6 +150,7 @@ def ingest(service: Service, conversations: list[Conversation], extract: bool, w
     """One add per turn, in order (each answered once durable, or once its KV is live with
     `wait_for_kv`); returns counts and add latencies."""
     latencies: list[float] = []
+    with_facts: list[float] = []  # adds that carried (or extracted) at least one fact
     facts = 0
     started = time.perf_counter()
     with tqdm(total=sum(len(c.turns) for c in conversations), desc="ingest", unit="turn") as bar:
@@ -173,6 +174,8 @@ def ingest(service: Service, conversations: list[Conversation], extract: bool, w
                 t0 = time.perf_counter()
                 results = service.call("POST", "/v1/memories", json=body)["results"]
                 latencies.append(time.perf_counter() - t0)
+                if results:
+                    with_facts.append(latencies[-1])
                 if not extract and len(results) != len(sent):
                     raise RuntimeError(f"{conv.user_id} {turn.turn_id}: {len(sent)} facts sent, {len(results)} results")
                 for result in results:
@@ -182,7 +185,9 @@ def ingest(service: Service, conversations: list[Conversation], extract: bool, w
     return {"adds": len(latencies), "facts": facts, "seconds": round(time.perf_counter() - started, 1),
             "facts_without_turn": sum(c.facts_without_turn for c in conversations),
             "add_latency_ms": {"p50": _ms(percentile(latencies, 50)), "p90": _ms(percentile(latencies, 90)),
-                               "p99": _ms(percentile(latencies, 99))}}
+                               "p99": _ms(percentile(latencies, 99))},
+            "adds_with_facts": len(with_facts),
+            "add_with_facts_latency_ms": {"p50": _ms(percentile(with_facts, 50)), "p90": _ms(percentile(with_facts, 90))}}
 
 
 def wait_for_encodes(service: Service, timeout_s: float, poll_s: float = 2.0) -> dict[str, Any]:
