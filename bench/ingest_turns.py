@@ -25,26 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.locomo_qa import DEFAULT_LOCOMO, Service, ingest, load_conversations
-
-
-def kv_live_after(service: Service, timeout_s: float, poll_s: float) -> tuple[float, dict[str, Any]]:
-    """Seconds until no shard has an encode pending, and the shards' totals then."""
-    started = time.monotonic()
-    while True:
-        shards = service.call("GET", "/v1/shards")["results"]
-        if sum(s.get("pending_encodes", 0) for s in shards) == 0:
-            break
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"encodes still pending {timeout_s:.0f} s after the last add")
-        time.sleep(poll_s)
-    totals = {key: sum(s.get(key, 0) for s in shards) for key in ("facts", "facts_with_kv", "encode_failed")}
-    return time.monotonic() - started, totals
+from bench.locomo_qa import DEFAULT_LOCOMO, Service, ingest, load_conversations, wait_for_encodes
 
 
 def one_way(service: Service, args: argparse.Namespace, wait_for_kv: bool, max_turns: int | None) -> dict[str, Any]:
@@ -52,7 +37,7 @@ def one_way(service: Service, args: argparse.Namespace, wait_for_kv: bool, max_t
     (conversation,) = load_conversations(args.locomo, [args.conversation], tag, max_turns, 0)
     try:
         added = ingest(service, [conversation], extract=False, wait_for_kv=wait_for_kv)
-        live_s, totals = kv_live_after(service, args.timeout_s, args.poll_s)
+        encoded = wait_for_encodes(service, args.timeout_s, args.poll_s)
     finally:
         if not args.keep:
             service.call("DELETE", "/v1/memories", params={"user_id": conversation.user_id})
@@ -68,8 +53,8 @@ def one_way(service: Service, args: argparse.Namespace, wait_for_kv: bool, max_t
         "adds_with_facts": added["adds_with_facts"],
         "per_fact_add_p50_ms": added["add_with_facts_latency_ms"]["p50"],
         "per_fact_add_p90_ms": added["add_with_facts_latency_ms"]["p90"],
-        "kv_live_after_last_add_s": round(live_s, 2),
-        **{f"shard_{key}": value for key, value in totals.items()},
+        "kv_live_after_last_add_s": encoded["encode_wait_s"],
+        **{key: value for key, value in encoded.items() if key.startswith("shard_")},
     }
 
 

@@ -190,9 +190,10 @@ def ingest(service: Service, conversations: list[Conversation], extract: bool, w
             "add_with_facts_latency_ms": {"p50": _ms(percentile(with_facts, 50)), "p90": _ms(percentile(with_facts, 90))}}
 
 
-def wait_for_encodes(service: Service, timeout_s: float, poll_s: float = 2.0) -> dict[str, Any]:
-    """Poll GET /v1/shards until no shard has pending encodes; the shards' totals then."""
-    started = time.monotonic()
+def wait_for_encodes(service: Service, timeout_s: float, poll_s: float = 2.0, report_s: float = 10.0) -> dict[str, Any]:
+    """Poll GET /v1/shards every `poll_s` until no shard has pending encodes (saying how many are
+    left every `report_s`); the seconds that took and the shards' totals then."""
+    started = last_report = time.monotonic()
     while True:
         shards = service.call("GET", "/v1/shards")["results"]
         pending = sum(s.get("pending_encodes", 0) for s in shards)
@@ -200,10 +201,12 @@ def wait_for_encodes(service: Service, timeout_s: float, poll_s: float = 2.0) ->
             break
         if time.monotonic() - started > timeout_s:
             raise TimeoutError(f"{pending} encodes still pending after {timeout_s:.0f} s")
-        print(f"  waiting for {pending} encodes ...", file=sys.stderr)
+        if time.monotonic() - last_report >= report_s:
+            print(f"  waiting for {pending} encodes ...", file=sys.stderr)
+            last_report = time.monotonic()
         time.sleep(poll_s)
     totals = {f"shard_{key}": sum(s.get(key, 0) for s in shards) for key in ("facts", "facts_with_kv", "encode_failed")}
-    return {"encode_wait_s": round(time.monotonic() - started, 1), "shards": len(shards), **totals}
+    return {"encode_wait_s": round(time.monotonic() - started, 2), "shards": len(shards), **totals}
 
 
 def ask_all(service: Service, conversations: list[Conversation], mode: str, k: int, max_tokens: int,
