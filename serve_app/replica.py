@@ -93,10 +93,8 @@ class LLMReplica:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.layout = PromptLayout(self.tokenizer, settings.memory.instruction)
         self.limits = TokenLimits(self.layout, settings)  # token bounds, checked before anything is stored or run
-        dtype = resolve_dtype(settings.engine)  # one concrete dtype for the engine and the shard's arena
-        settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"dtype": dtype})})
-        self.settings = settings
-        actor, self.keeper = start_backends(settings, shard_id, model, dtype)
+        kv_dtype = resolve_dtype(settings.engine)  # the shard's arena holds KV of the dtype engine_kwargs gives vLLM
+        actor, self.keeper = start_backends(settings, shard_id, model, kv_dtype)
         self.keeper.on_swap = lambda engine: setattr(self.driver, "engine", engine)
         self.shard = ShardClient(actor, timeout_s=settings.shard_call_timeout_s)
         self._driver_task: asyncio.Task | None = None
