@@ -35,6 +35,7 @@ class ChatPlan:
     facts: list[MemoryHit] = field(default_factory=list)
     injected_tokens: int = 0  # tokens the connector will supply (prefix + facts with KV)
     prefilled_fact_ids: list[str] = field(default_factory=list)  # retrieved but without KV yet
+    timings: dict[str, float] = field(default_factory=dict)  # ms per planning stage (shard_embed, ...)
 
 
 def fit_to_context(hits: list[MemoryHit], kv: FactKVLifecycle, room: int) -> list[MemoryHit]:

@@ -208,10 +208,17 @@ class MemoryShard:
     def history(self, fact_id: str, user_id: str | None = None) -> list[FactEvent]:
         return self.store.history(fact_id, user_id)
 
-    def search(self, user_id: str, query: str, k: int) -> list[MemoryHit]:
+    def search(self, user_id: str, query: str, k: int, timings: dict[str, float] | None = None) -> list[MemoryHit]:
+        """The user's top-k facts for `query`; `timings` (ms) gets the embed and index stages."""
         if k <= 0:
             return []
-        (hits,) = self.index.search(user_id, self.embedder.embed([query])[0], k)
+        started = time.perf_counter()
+        vector = self.embedder.embed([query])[0]
+        embedded = time.perf_counter()
+        (hits,) = self.index.search(user_id, vector, k)
+        if timings is not None:
+            timings["shard_embed"] = (embedded - started) * 1e3
+            timings["shard_search"] = (time.perf_counter() - embedded) * 1e3
         out = []
         for hit in hits:
             state = self.facts.get(hit.fact_id)
@@ -228,13 +235,16 @@ class MemoryShard:
         mode: str = "kv",
         max_prompt_tokens: int | None = None,
     ) -> ChatPlan:
-        """The prompt for a chat request with the user's top-k facts (memory.planner.plan_chat)."""
+        """The prompt for a chat request with the user's top-k facts (memory.planner.plan_chat);
+        the plan's `timings` say where the shard's time went (ms: embed, search, compose)."""
+        timings: dict[str, float] = {}
         hits: list[MemoryHit] = []
         if mode != "none":
             k = self.settings.top_k if k is None else k
             query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-            hits = self.search(user_id, query, k) if query else []
-        return plan_chat(
+            hits = self.search(user_id, query, k, timings) if query else []
+        started = time.perf_counter()
+        plan = plan_chat(
             layout=self.layout,
             kv=self.kv,
             hits=hits,
@@ -243,6 +253,9 @@ class MemoryShard:
             salt_namespace=f"{self.settings.redis_prefix}:{user_id}",
             max_prompt_tokens=max_prompt_tokens,
         )
+        timings["shard_compose"] = (time.perf_counter() - started) * 1e3
+        plan.timings = timings
+        return plan
 
     # ================================================================== encoding
     def take_encode_jobs(self, max_jobs: int | None = None) -> list[EncodeJob]:

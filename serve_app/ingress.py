@@ -30,7 +30,7 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator, Awaitable
 
-from fastapi import Depends, FastAPI, HTTPException, Query
+from fastapi import Depends, FastAPI, HTTPException, Query, Response
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
@@ -51,6 +51,7 @@ from serve_app.protocol import (
     UpdateMemoryRequest,
 )
 from serve_app.settings import ServiceSettings
+from serve_app.stage_timings import StageClock, stage_histogram
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class ChatAPI:
         self.directory = UserDirectory.from_url(settings.redis_url, prefix)
         self.keys = KeyStore.from_url(settings.redis_url, prefix, settings.auth.cache_ttl_s)
         self._admin_key_stored = settings.auth.admin_key is None
+        self.stage_seconds = stage_histogram()
         if settings.auth.mode == "off":
             logger.warning(
                 "auth.mode is off: every client may act for every user. Serve on loopback only "
@@ -166,9 +168,14 @@ class ChatAPI:
     # ------------------------------------------------------------------ chat
     @api.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
-        self, request: ChatCompletionRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+        self, request: ChatCompletionRequest, response: Response,
+        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
     ) -> ChatCompletionResponse | StreamingResponse:
+        """The ingress's stages (auth, route, replica_first_event; serve_app.stage_timings) come
+        back in a Server-Timing header and go to kvmem_stage_seconds; the replica's in `timings`."""
+        clock = StageClock()
         principal = await self._principal(credentials)
+        routed = clock.record("auth", clock.started)
         if request.user:
             self._require_user(principal, request.user)
             cached = self.directory.cached_shard(request.user)
@@ -184,10 +191,15 @@ class ChatAPI:
         else:
             replica = self.replicas[0]
         scope = None if self.settings.auth.mode == "off" else principal.cache_scope  # salts a user-less request
+        called = clock.record("route", routed)
         if not request.stream:
-            return await self._answer(replica.chat.remote(request, scope))
+            answer = await self._answer(replica.chat.remote(request, scope))
+            clock.record("replica_answer", called)
+            response.headers["Server-Timing"] = self._timed(clock)
+            return answer
         events = replica.options(stream=True).chat_stream.remote(request, scope)
         first = await self._answer(events.__anext__())  # a refusal comes as a status, not a stream
+        clock.record("replica_first_event", called)
         timeout = self.settings.replica_call_timeout_s
 
         async def relay() -> AsyncIterator[str]:
@@ -203,7 +215,13 @@ class ChatAPI:
                     return
                 yield event
 
-        return StreamingResponse(relay(), media_type="text/event-stream")
+        return StreamingResponse(relay(), media_type="text/event-stream", headers={"Server-Timing": self._timed(clock)})
+
+    def _timed(self, clock: StageClock) -> str:
+        """Records the ingress's stages (metrics) and gives them as a Server-Timing value."""
+        clock.record("ingress", clock.started)
+        clock.observe(self.stage_seconds)
+        return clock.server_timing()
 
     # ------------------------------------------------------------------ memory
     @api.post("/v1/memories")

@@ -217,6 +217,13 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+TIMINGS_DESCRIPTION = (
+    "Milliseconds per stage of this request before its first token, on the replica (serve_app.stage_timings: "
+    "prepare, plan_call, shard_embed, shard_search, shard_compose, shard_hop, engine_ttft, replica_ttft). The "
+    "ingress's own stages are in the Server-Timing header."
+)
+
+
 class MemoryUsage(BaseModel):
     """What memory a chat answer was conditioned on."""
 
@@ -234,6 +241,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     memory: MemoryUsage | None = None
+    timings: dict[str, float] | None = Field(None, description=TIMINGS_DESCRIPTION)
 
 
 class ChunkDelta(BaseModel):
@@ -259,6 +267,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     memory: MemoryUsage | None = None
+    timings: dict[str, float] | None = Field(None, description=TIMINGS_DESCRIPTION)
 
 
 class TurnIn(BaseModel):

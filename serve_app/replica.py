@@ -26,25 +26,11 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from actors.shard_client import ShardClient
 from memory.fact_store import FactEvent, FactRecord, NewFact, Turn, UnknownFact
 from memory.planner import MemoryHit
-from serve_app.protocol import (
-    AddMemoryRequest,
-    ChatChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionChunk,
-    ChoiceLogprobs,
-    ChunkChoice,
-    ChunkDelta,
-    MemoryUsage,
-    NotFound,
-    RequestRejected,
-    ResponseMessage,
-    PromptTokensDetails,
-    Usage,
-)
+from serve_app.protocol import AddMemoryRequest, ChatCompletionRequest, ChatCompletionResponse, NotFound, RequestRejected
 from serve_app.errors import RefusalsAreNotFailures
 from serve_app.limits import TokenLimits
 from serve_app.settings import ServiceSettings
+from serve_app.stage_timings import StageClock, stage_histogram
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +43,6 @@ def _count(counter: Counter, value: float) -> None:
     """Counter.inc refuses 0 (ray.util.metrics); skip empty increments."""
     if value > 0:
         counter.inc(value)
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, output: Any) -> Usage:
-    """OpenAI usage, with the engine's prefix-cache (and injection) hits as cached_tokens."""
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens or 0),
-    )
 
 
 @contextlib.contextmanager
@@ -102,6 +78,7 @@ class LLMReplica:
         from serve_app.encode_driver import EncodeDriver
 
         self.ttft = Histogram("kvmem_ttft_seconds", description="Engine time to first token.", boundaries=_TTFT_BOUNDARIES_S, tag_keys=("mode",))
+        self.stage_seconds = stage_histogram()
         self.requests = Counter("kvmem_requests_total", description="Chat requests by outcome.", tag_keys=("outcome",))
         self.generated_tokens = Counter("kvmem_generated_tokens_total", description="Tokens generated.")
         self.injected_tokens = Counter("kvmem_injected_tokens_total", description="Prompt tokens supplied by KV injection.")
@@ -131,9 +108,10 @@ class LLMReplica:
 
 
     # ------------------------------------------------------------------ chat
-    async def _prepare(self, request: ChatCompletionRequest) -> tuple[list[int], Any, Any]:
+    async def _prepare(self, request: ChatCompletionRequest, clock: StageClock) -> tuple[list[int], Any, Any]:
         """(prompt ids, memory plan, SamplingParams) of a chat request, or RequestRejected /
-        NotFound (unknown model) before the engine sees anything (serve_app.limits, .sampling)."""
+        NotFound (unknown model) before the engine sees anything (serve_app.limits, .sampling);
+        the plan's stages go on `clock`."""
         from jinja2 import TemplateError
 
         from serve_app.sampling import sampling_params
@@ -152,9 +130,13 @@ class LLMReplica:
         try:
             if request.user and request.memory.mode != "none":
                 # facts that do not fit next to the conversation are left out, least relevant first
+                called = time.perf_counter()
                 plan = await self.shard.plan_chat(
                     request.user, messages, request.memory.top_k, request.memory.mode, self.limits.context - planned
                 )
+                clock.record("plan_call", called)
+                clock.add(plan.timings)
+                clock.stages["shard_hop"] = clock.stages["plan_call"] - sum(plan.timings.values())
                 prompt_ids = plan.prompt_token_ids
             else:
                 prompt_ids = await asyncio.to_thread(self.layout.plain_prompt_ids, messages)
@@ -166,15 +148,18 @@ class LLMReplica:
 
     async def _run(
         self, request: ChatCompletionRequest, cache_scope: str | None = None
-    ) -> AsyncIterator[tuple[Any, list[int], Any]]:
-        """Plan and run one chat request; yields (engine output, prompt ids, memory plan) as the
-        engine produces tokens (cumulative outputs). Refusals are raised before the engine runs.
-        Every request is salted: by its user, else by `cache_scope` (the caller's API key)."""
+    ) -> AsyncIterator[tuple[Any, list[int], Any, dict[str, float]]]:
+        """Plan and run one chat request; yields (engine output, prompt ids, memory plan, stage
+        timings in ms) as the engine produces tokens (cumulative outputs). Refusals are raised
+        before the engine runs. Every request is salted: by its user, else by `cache_scope` (the
+        caller's API key)."""
         from vllm.inputs import TokensPrompt
 
+        clock = StageClock()
         self._ensure_driver()
         try:
-            prompt_ids, plan, params = await self._prepare(request)
+            prompt_ids, plan, params = await self._prepare(request, clock)
+            clock.record("prepare", clock.started)
         except (RequestRejected, NotFound):
             self.requests.inc(tags={"outcome": "rejected"})
             raise
@@ -191,84 +176,37 @@ class LLMReplica:
         final = None
         async for output in self.engine.generate(prompt, params, request_id=f"chat-{uuid.uuid4().hex}"):
             if first_token_at is None and output.outputs and output.outputs[0].token_ids:
-                first_token_at = time.perf_counter()
+                first_token_at = clock.record("engine_ttft", start)
+                clock.record("replica_ttft", clock.started)
                 self.ttft.observe(first_token_at - start, tags={"mode": mode})
+                clock.observe(self.stage_seconds)
             final = output
-            yield output, prompt_ids, plan
+            yield output, prompt_ids, plan, clock.rounded()
         assert final is not None, "engine returned no output"
         self.requests.inc(tags={"outcome": "ok"})
         _count(self.generated_tokens, len(final.outputs[0].token_ids))
         if plan is not None:
             _count(self.injected_tokens, plan.injected_tokens)
 
-    @staticmethod
-    def _memory_usage(plan: Any, output: Any) -> MemoryUsage | None:
-        if plan is None:
-            return None
-        return MemoryUsage(
-            mode=plan.mode,
-            fact_ids=[f.fact_id for f in plan.facts],
-            injected_tokens=plan.injected_tokens,
-            cached_tokens=output.num_cached_tokens or 0,
-        )
-
-    def _logprobs(self, request: ChatCompletionRequest, completion: Any, start: int) -> ChoiceLogprobs | None:
-        """OpenAI logprobs of the completion's tokens from `start` on, when the request asked."""
-        from serve_app.sampling import choice_logprobs
-
-        return choice_logprobs(completion, start, request.top_logprobs or 0, self.tokenizer) if request.logprobs else None
-
     async def chat(self, request: ChatCompletionRequest, cache_scope: str | None = None) -> ChatCompletionResponse:
-        final = prompt_ids = plan = None
-        async for final, prompt_ids, plan in self._run(request, cache_scope):
+        from serve_app.chat_responses import completion_response
+
+        final = prompt_ids = plan = timings = None
+        async for final, prompt_ids, plan, timings in self._run(request, cache_scope):
             pass
-        completion = final.outputs[0]
-        choice = ChatChoice(
-            message=ResponseMessage(content=completion.text),
-            logprobs=self._logprobs(request, completion, 0),
-            finish_reason=completion.finish_reason,
-        )
-        return ChatCompletionResponse(
-            model=self.settings.served_model_name,
-            choices=[choice],
-            usage=_usage(len(prompt_ids), len(completion.token_ids), final),
-            memory=self._memory_usage(plan, final),
-        )
+        return completion_response(request, self.settings.served_model_name, final, prompt_ids, plan, timings, self.tokenizer)
 
     async def chat_stream(self, request: ChatCompletionRequest, cache_scope: str | None = None) -> AsyncIterator[str]:
-        """Server-sent events in OpenAI's chat.completion.chunk format, then `data: [DONE]`. The
-        finishing chunk carries usage and the memory report, or, with stream_options.include_usage,
-        one more chunk with empty `choices` does (as OpenAI sends it)."""
-        chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
-        model = self.settings.served_model_name
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        sent_text = sent_tokens = 0
-        first = True
-        usage: Usage | None = None
-        memory: MemoryUsage | None = None
-        async for output, prompt_ids, plan in self._run(request, cache_scope):
-            completion = output.outputs[0]
-            delta = completion.text[sent_text:]
-            done = output.finished
-            if not delta and not done and not first:
-                continue  # tokens that are no text yet (a partial character, a possible stop string)
-            choice = ChunkChoice(
-                delta=ChunkDelta(role="assistant" if first else None, content=delta or None),
-                logprobs=self._logprobs(request, completion, sent_tokens),
-                finish_reason=completion.finish_reason if done else None,
-            )
-            sent_text, sent_tokens, first = len(completion.text), len(completion.token_ids), False
-            chunk = ChatCompletionChunk(id=chunk_id, model=model, choices=[choice])
-            if done:
-                usage = _usage(len(prompt_ids), len(completion.token_ids), output)
-                memory = self._memory_usage(plan, output)
-                if not include_usage:
-                    chunk.usage, chunk.memory = usage, memory
-            yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-        if include_usage and usage is not None:
-            tail = ChatCompletionChunk(id=chunk_id, model=model, choices=[], usage=usage, memory=memory)
-            yield f"data: {tail.model_dump_json(exclude_none=True)}\n\n"
-        yield "data: [DONE]\n\n"
+        """Server-sent events in OpenAI's chat.completion.chunk format (serve_app.chat_responses.ChunkStream)."""
+        from serve_app.chat_responses import ChunkStream
+
+        stream = ChunkStream(request, self.settings.served_model_name, self.tokenizer)
+        async for output, prompt_ids, plan, timings in self._run(request, cache_scope):
+            event = stream.event(output, prompt_ids, plan, timings)
+            if event is not None:
+                yield event
+        for event in stream.closing():
+            yield event
 
     def _user_salt(self, user_id: str) -> str:
         """The user's prefix-cache scope: their requests share cached blocks with no one else."""

@@ -43,6 +43,11 @@ class EngineSettings(BaseModel):
         "the step, so on a CPU a small chunk (config.yaml: 512) keeps chats answering while fact encodes run; None "
         "keeps vLLM's default (2048 on CPU, larger on GPUs).",
     )
+    load_format: Literal["auto", "dummy", "safetensors", "gguf"] = Field(
+        "auto",
+        description="How vLLM loads the weights. dummy: random weights from the folder's config.json (timing runs "
+        "of a model whose weights are not on the machine, bench/serve_h200.py); the answers are then noise.",
+    )
     multiprocess: bool = Field(
         True, description="Run the engine core in a subprocess (AsyncLLM's normal mode)."
     )

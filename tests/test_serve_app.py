@@ -141,7 +141,7 @@ def test_prometheus_metrics_are_exported(served_app: str) -> None:
     chat = {"user": "hana", "messages": [{"role": "user", "content": "What do I collect?"}], "max_tokens": 4}
     _post(f"{served_app}/v1/chat/completions", chat)
     requests.get(f"{served_app}/v1/shards", timeout=60)
-    wanted = {"kvmem_ttft_seconds", "kvmem_requests_total", "kvmem_injected_tokens_total", "kvmem_facts_encoded_total", "kvmem_arena_bytes"}
+    wanted = {"kvmem_ttft_seconds", "kvmem_requests_total", "kvmem_injected_tokens_total", "kvmem_facts_encoded_total", "kvmem_arena_bytes", "kvmem_stage_seconds"}
     deadline, seen = time.time() + 60, set()
     while time.time() < deadline and seen != wanted:
         text = requests.get(os.environ["KVMEM_TEST_METRICS_URL"], timeout=10).text
@@ -172,6 +172,16 @@ def test_streamed_chat_equals_the_whole_answer(served_app: str) -> None:
     tokens = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens differ: the stream's prompt was cached
     assert [last["usage"][k] for k in tokens] == [whole["usage"][k] for k in tokens]
     assert last["memory"]["fact_ids"] == whole["memory"]["fact_ids"] and last["memory"]["injected_tokens"] > 0
+
+    # where the time to first token went: the replica's stages in `timings`, the ingress's in Server-Timing
+    stages = last["timings"]
+    shard_work = stages["shard_embed"] + stages["shard_search"] + stages["shard_compose"]
+    assert 0 < shard_work <= stages["plan_call"] <= stages["prepare"] < stages["replica_ttft"]
+    assert 0 < stages["engine_ttft"] < stages["replica_ttft"] and abs(stages["plan_call"] - shard_work - stages["shard_hop"]) < 0.01
+    ingress = {name: float(ms) for name, ms in (part.split(";dur=") for part in response.headers["Server-Timing"].split(", "))}
+    assert set(ingress) == {"auth", "route", "replica_first_event", "ingress"}
+    assert stages["replica_ttft"] < ingress["replica_first_event"] < ingress["ingress"]  # the replica's time is inside the ingress's
+    assert set(whole["timings"]) == set(stages)
 
 
 def test_concurrent_users_on_two_shards_only_ever_see_their_own_memory(served_app: str, redis_server) -> None:
