@@ -26,6 +26,26 @@ class MemorySettings(BaseModel):
     window_turns: int = Field(5, ge=0, description="Conversation turns before a fact's source turn encoded with it (w).")
     max_facts_per_turn: int = Field(5, gt=0, description="Most facts extraction keeps from one turn.")
     top_k: int = Field(10, ge=0, description="Facts retrieved per chat request unless the request says otherwise.")
+    reconcile: bool = Field(
+        True,
+        description="On an add from messages (infer), reconcile each extracted fact with the user's closest facts: the "
+        "served model decides ADD, UPDATE, DELETE or NONE (serve_app.reconciliation); a request's `reconcile` overrides it.",
+    )
+    reconcile_top_k: int = Field(
+        1,
+        gt=0,
+        le=20,
+        description="Most existing facts shown to the model per extracted fact (the closest ones above reconcile_min_score). "
+        "1 for SmolLM2-135M, which named the second of any two (bench/results/reconcile_cpu.json); raise it for a "
+        "model that chooses among several, as Mem0 shows its LLM the top facts.",
+    )
+    reconcile_min_score: float = Field(
+        0.3,
+        ge=-1.0,
+        le=1.0,
+        description="Least embedding similarity between an extracted fact and an existing fact for the model to update "
+        "or delete it; a proposal below it is an ADD (a small model proposes changes to unrelated facts).",
+    )
     instruction: str = Field(DEFAULT_INSTRUCTION, description="System text before the facts (captured once, injected).")
     redis_prefix: str = Field("kvmem", description="Prefix of every Redis key this service writes.")
     arena_dir: str = Field("/dev/shm", description="Folder for the shared-memory KV arenas (one per shard).")

@@ -301,6 +301,11 @@ class AddMemoryRequest(BaseModel):
     )
     source_id: str | None = Field(None, min_length=1, max_length=128, description="Turn id the given facts come from.")
     infer: bool = Field(True, description="Extract facts from `messages` with the served model.")
+    reconcile: bool | None = Field(
+        None,
+        description="Reconcile the extracted facts with the user's memory (ADD / UPDATE / DELETE / NONE, decided by the "
+        "served model); null: the service's memory.reconcile setting.",
+    )
     wait_for_kv: bool = Field(
         False,
         description="Answer only once the facts' KV is live (at most memory.add_encode_wait_s). By default an add "

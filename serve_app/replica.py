@@ -216,8 +216,10 @@ class LLMReplica:
 
     # ------------------------------------------------------------------ memory operations
     async def add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
-        """Mem0 add: record turns, extract or take facts, store them, encode their KV."""
+        """Mem0 add: record turns, extract or take facts, reconcile extracted facts with the memory
+        (serve_app.reconciliation), store them, encode their KV."""
         from serve_app.extraction import extract_facts
+        from serve_app.reconciliation import reconcile_and_add
 
         self._ensure_driver()
         await asyncio.to_thread(self.limits.check_add, request)  # token bounds: a 400 before anything is stored
@@ -243,9 +245,16 @@ class LLMReplica:
             facts += [NewFact(text=t.text, source_id=t.turn_id) for t in turns if t.speaker == "user"]
         facts = self.limits.fitting(facts)  # an extracted fact too long for an arena entry is dropped, not stored
         source = request.source_id or (turns[-1].turn_id if turns else None)
-        facts += [NewFact(text=text, source_id=source) for text in request.facts or []]
-        results = await self.shard.add_facts(user, facts)
-        await self._acknowledge([r["id"] for r in results], request.wait_for_kv)
+        given = [NewFact(text=text, source_id=source) for text in request.facts or []]
+        memory = self.settings.memory
+        if request.messages and request.infer and (memory.reconcile if request.reconcile is None else request.reconcile):
+            # extracted facts are decided against the user's closest facts: ADD / UPDATE / DELETE / NONE
+            salt = self._user_salt(user)
+            results = await reconcile_and_add(self.engine, self.layout, self.shard, user, facts, memory, self.limits.fact_fits, salt)
+            results += await self.shard.add_facts(user, given)
+        else:
+            results = await self.shard.add_facts(user, facts + given)
+        await self._acknowledge([r["id"] for r in results if r["event"] != "DELETE"], request.wait_for_kv)
         return {"results": results}
 
     async def _acknowledge(self, fact_ids: list[str], wait_for_kv: bool) -> None:
