@@ -42,10 +42,11 @@ def free_loopback_port() -> int:
 class LocalRedis:
     """A redis-server child process; `url` is valid once `start()` returns."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True, own_session: bool = False) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_loopback_port()
         self.appendonly = appendonly
+        self.own_session = own_session  # outlives this process group (a benchmark's service left running)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -64,7 +65,7 @@ class LocalRedis:
             "--save", "",
             "--protected-mode", "yes",
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=self.own_session)
         import redis
 
         deadline = time.monotonic() + timeout_s

@@ -5,7 +5,9 @@ Each chat request carries a `user` id drawn from a pool of KVMEM_LOADTEST_USERS 
 a small built-in list. Each simulated client first gives its user a memory (KVMEM_LOADTEST_FACTS
 facts, default 20, through POST /v1/memories; re-adding is idempotent), and chats with
 memory mode KVMEM_LOADTEST_MEMORY_MODE (kv, prompt or none; default kv), so the same run can
-be repeated per mode and compared. Chat responses are streamed (server-sent events): besides
+be repeated per mode and compared. KVMEM_LOADTEST_TOP_K and KVMEM_LOADTEST_MAX_TOKENS set the
+chats' memory.top_k and max_tokens, KVMEM_LOADTEST_API_KEY the key sent (auth.mode keys), and
+KVMEM_LOADTEST_WAIT_S=0 makes each client a closed loop (QPS at a fixed concurrency). Chat responses are streamed (server-sent events): besides
 the POST row (time to the response headers), Locust reports the time to the first content
 chunk ("TTFT chat") and to the end of the stream ("COMPLETE chat") as rows of their own. A request counts as failed unless it answers 200 with a well-formed
 stream ending in [DONE] and a non-empty assistant message.
@@ -25,7 +27,12 @@ import random
 import time
 from typing import Any, Iterable
 
-from locust import HttpUser, between, task
+from locust import HttpUser, between, constant, task
+
+try:
+    from loadtest.users import memory_facts, user_pool
+except ImportError:  # locust puts the locustfile's folder, not the project root, on sys.path
+    from users import memory_facts, user_pool  # type: ignore[no-redef]
 
 QUESTIONS: tuple[str, ...] = (
     "What is the capital of France?",
@@ -40,38 +47,19 @@ QUESTIONS: tuple[str, ...] = (
 MAX_TOKENS = 64
 
 
-def user_pool(size: int) -> list[str]:
-    """The user ids requests are drawn from."""
-    if size < 1:
-        raise ValueError(f"the user pool needs at least one user, got {size}")
-    return [f"loadtest-user-{index:04d}" for index in range(size)]
-
-
-FACT_TEMPLATES: tuple[str, ...] = (
-    "{user} has a dog called Biscuit.",
-    "{user} is vegetarian.",
-    "{user} lives in a flat in Leeds.",
-    "{user} works night shifts as a nurse.",
-    "{user} is learning to play the cello.",
-    "{user} is allergic to peanuts.",
-    "{user} runs 5 km every Sunday.",
-    "{user} is saving for a trip to Japan.",
-)
-
-
-def memory_facts(user: str, count: int) -> list[str]:
-    """The facts a load-test user's memory is seeded with (numbered beyond the templates)."""
-    return [FACT_TEMPLATES[i % len(FACT_TEMPLATES)].format(user=user) + (f" (note {i})" if i >= len(FACT_TEMPLATES) else "") for i in range(count)]
-
-
-def chat_body(user: str, question: str, max_tokens: int = MAX_TOKENS, memory_mode: str = "kv") -> dict[str, Any]:
+def chat_body(
+    user: str, question: str, max_tokens: int = MAX_TOKENS, memory_mode: str = "kv", top_k: int | None = None
+) -> dict[str, Any]:
     """Request body of POST /v1/chat/completions (serve_app.protocol.ChatCompletionRequest)."""
+    memory: dict[str, Any] = {"mode": memory_mode}
+    if top_k is not None:
+        memory["top_k"] = top_k
     return {
         "messages": [{"role": "user", "content": question}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "user": user,
-        "memory": {"mode": memory_mode},
+        "memory": memory,
         "stream": True,
     }
 
@@ -103,14 +91,22 @@ def stream_problem(status_code: int, lines: Iterable[str], error: str = "") -> s
 USERS = user_pool(int(os.environ.get("KVMEM_LOADTEST_USERS", "20")))
 FACTS_PER_USER = int(os.environ.get("KVMEM_LOADTEST_FACTS", "20"))
 MEMORY_MODE = os.environ.get("KVMEM_LOADTEST_MEMORY_MODE", "kv")
+TOP_K = int(os.environ["KVMEM_LOADTEST_TOP_K"]) if os.environ.get("KVMEM_LOADTEST_TOP_K") else None  # None: the service's
+CHAT_MAX_TOKENS = int(os.environ.get("KVMEM_LOADTEST_MAX_TOKENS", str(MAX_TOKENS)))
+API_KEY = os.environ.get("KVMEM_LOADTEST_API_KEY")  # auth.mode keys: a key that may act for the pool's users
+# KVMEM_LOADTEST_WAIT_S=0: each client sends its next chat as soon as the last one ends (a closed
+# loop, for QPS at a given concurrency); unset: a think time of 0.5-2 s, like a person chatting
+WAIT_S = os.environ.get("KVMEM_LOADTEST_WAIT_S")
 
 
 class ChatUser(HttpUser):
     """A client that mostly chats and now and then checks /health."""
 
-    wait_time = between(0.5, 2.0)
+    wait_time = constant(float(WAIT_S)) if WAIT_S else between(0.5, 2.0)
 
     def on_start(self) -> None:
+        if API_KEY:
+            self.client.headers["Authorization"] = f"Bearer {API_KEY}"
         self.user_id = random.choice(USERS)
         if FACTS_PER_USER > 0:
             body = {"user_id": self.user_id, "facts": memory_facts(self.user_id, FACTS_PER_USER)}
@@ -118,7 +114,7 @@ class ChatUser(HttpUser):
 
     @task(10)
     def chat(self) -> None:
-        body = chat_body(self.user_id, random.choice(QUESTIONS), memory_mode=MEMORY_MODE)
+        body = chat_body(self.user_id, random.choice(QUESTIONS), max_tokens=CHAT_MAX_TOKENS, memory_mode=MEMORY_MODE, top_k=TOP_K)
         started = time.perf_counter()
         with self.client.post("/v1/chat/completions", json=body, name="chat", stream=True, catch_response=True) as response:
             lines: list[str] = []

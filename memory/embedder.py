@@ -11,8 +11,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from memory.query_graphs import QueryGraphs
 
 
 def default_model_path() -> Path:
@@ -49,6 +53,32 @@ class Embedder:
             normalize_embeddings=True,
             show_progress_bar=progress,
         )
+
+    def embed_query(self, text: str) -> np.ndarray:
+        """One text's row, float32 [dim]; on a CUDA device from a CUDA graph (memory.query_graphs)
+        when the model is the plain Transformer -> mean Pooling -> Normalize pipeline."""
+        graphs = self.query_graphs()
+        if graphs is not None:
+            tokenizer = self._model.tokenizer
+            ids = tokenizer(text, truncation=True, max_length=self._model.max_seq_length)["input_ids"]
+            row = graphs.embed(ids)
+            if row is not None:
+                return row.numpy()
+        return self.embed([text])[0]
+
+    def query_graphs(self) -> "QueryGraphs | None":
+        """The CUDA graphs behind embed_query (made on first use), or None (CPU, other pipelines)."""
+        if not hasattr(self, "_graphs"):
+            self._graphs = None
+            names = [type(module).__name__ for module in self._model]
+            config = self._model[1].get_config_dict() if len(names) > 1 else {}
+            pooling = config.get("pooling_mode") == "mean" or config.get("pooling_mode_mean_tokens", False)
+            if str(self.device).startswith("cuda") and names == ["Transformer", "Pooling", "Normalize"] and pooling:
+                from memory.query_graphs import QueryGraphs
+
+                self._graphs = QueryGraphs(self._model[0].auto_model, self._model.device)
+                self._graphs.warm_up(range(4, 40))  # most questions; longer ones are captured when first seen
+        return self._graphs
 
     def embed(self, texts: Sequence[str] | str, *, progress: bool = False) -> np.ndarray:
         """float32 [n, dim], each row L2-normalised; a single string gives [1, dim]."""

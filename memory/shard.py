@@ -213,7 +213,7 @@ class MemoryShard:
         if k <= 0:
             return []
         started = time.perf_counter()
-        vector = self.embedder.embed([query])[0]
+        vector = self.embedder.embed_query(query)
         embedded = time.perf_counter()
         (hits,) = self.index.search(user_id, vector, k)
         if timings is not None:

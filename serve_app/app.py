@@ -19,7 +19,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     settings = ServiceSettings.from_args(args)
     if not settings.redis_url:
         raise ValueError("redis_url (or REDIS_URL) is required: Redis holds the memory records and the user -> shard map")
-    return ChatAPI.bind(llm_deployments(settings=settings), settings)
+    return ChatAPI.options(num_replicas=settings.ingress_replicas).bind(llm_deployments(settings=settings), settings)
 
 
 def llm_deployments(*, settings: ServiceSettings) -> list[serve.Application]:

@@ -70,6 +70,8 @@ def engine_kwargs(settings: EngineSettings, model: str, **overrides: Any) -> dic
         seed=settings.seed,
         gpu_memory_utilization=settings.gpu_memory_utilization,
     )
+    if settings.stream_interval != 1:
+        kwargs["stream_interval"] = settings.stream_interval
     if settings.load_format != "auto":
         kwargs["load_format"] = settings.load_format
     if settings.block_size is not None:

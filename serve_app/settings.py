@@ -48,6 +48,13 @@ class EngineSettings(BaseModel):
         description="How vLLM loads the weights. dummy: random weights from the folder's config.json (timing runs "
         "of a model whose weights are not on the machine, bench/serve_h200.py); the answers are then noise.",
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="Tokens per streamed event after the first (vLLM's stream_interval; the first token always goes at "
+        "once). Every event crosses the replica -> ingress -> proxy hops, so at high load on a GPU larger values "
+        "(config.gpu.yaml: 8) keep those processes from capping the service's QPS (bench/serve_h200.py).",
+    )
     multiprocess: bool = Field(
         True, description="Run the engine core in a subprocess (AsyncLLM's normal mode)."
     )
@@ -77,6 +84,12 @@ class ServiceSettings(BaseSettings):
     )
     llm_replicas: int = Field(
         1, gt=0, description="Number of LLM replicas (one engine and one memory shard each); users are spread over them."
+    )
+    ingress_replicas: int = Field(
+        1,
+        gt=0,
+        description="Replicas of the HTTP ingress (ChatAPI; stateless, each caches the user -> shard map). It relays "
+        "every streamed event, so one replica caps a GPU's QPS (bench/serve_h200.py); config.gpu.yaml runs 4.",
     )
     memory: MemorySettings = Field(default_factory=MemorySettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)

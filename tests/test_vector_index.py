@@ -389,3 +389,4 @@ def test_embedder_paraphrases_closer_than_unrelated(embedder) -> None:
     assert v[0] @ v[1] > v[0] @ v[2] + 0.3
     assert embedder.embed([]).shape == (0, 384)
     assert embedder.embed("one sentence").shape == (1, 384)
+

