@@ -73,8 +73,8 @@ def plan_chat(
     ordered = list(reversed(hits))  # least relevant first, most relevant next to the query
     if mode == "prompt" or kv.prefix.ref is None:
         tokens = list(layout.prefix_ids)
-        for hit in ordered:
-            tokens += layout.fact_ids(hit.text)
+        for hit in ordered:  # each fact's token ids, tokenized once when it was stored (the kv path's own)
+            tokens += kv.facts[hit.fact_id].segment_ids
         return ChatPlan(
             prompt_token_ids=tokens + suffix, mode="prompt", facts=hits, cache_salt=scope_cache_salt(salt_namespace)
         )

@@ -30,6 +30,7 @@ def llm_deployments(*, settings: ServiceSettings) -> list[serve.Application]:
         LLMReplica.options(
             name=f"LLMReplica_{shard}",
             num_replicas=1,
+            max_ongoing_requests=settings.llm_replica_max_ongoing_requests,
             ray_actor_options={"num_cpus": settings.llm_replica_num_cpus, "num_gpus": settings.llm_replica_num_gpus},
         ).bind(settings, shard)
         for shard in range(settings.llm_replicas)

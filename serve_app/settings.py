@@ -101,6 +101,12 @@ class ServiceSettings(BaseSettings):
     )
     llm_replica_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per LLM replica.")
     llm_replica_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per LLM replica (fractional allowed).")
+    llm_replica_max_ongoing_requests: int = Field(
+        64,
+        gt=0,
+        description="Requests Ray Serve lets into one LLM replica at once (the rest wait in the ingress). Keep it at "
+        "least engine.max_num_seqs, or the engine never sees a full batch (config.gpu.yaml: 256).",
+    )
     shard_call_timeout_s: float = Field(
         30.0, gt=0, description="Most seconds a replica waits for its memory shard actor on one call."
     )
