@@ -112,9 +112,10 @@ class ShardClient:
         return await self._wait(self.actor.search.remote(user_id, query, k))
 
     async def plan_chat(
-        self, user_id: str, messages: Sequence[dict[str, str]], k: int | None, mode: str, max_prompt_tokens: int | None
+        self, user_id: str, messages: Sequence[dict[str, str]], k: int | None, mode: str, max_prompt_tokens: int | None,
+        prefill_top_m: int | None = None,
     ) -> ChatPlan:
-        return await self._wait(self.actor.plan_chat.remote(user_id, list(messages), k, mode, max_prompt_tokens))
+        return await self._wait(self.actor.plan_chat.remote(user_id, list(messages), k, mode, max_prompt_tokens, prefill_top_m))
 
     # ---------------------------------------------------------------- encoding (memory.shard.EncodeQueue)
     async def take_encode_jobs(self, max_jobs: int | None = None) -> list[EncodeJob]:

@@ -210,13 +210,17 @@ def wait_for_encodes(service: Service, timeout_s: float, poll_s: float = 2.0, re
 
 
 def ask_all(service: Service, conversations: list[Conversation], mode: str, k: int, max_tokens: int,
-            concurrency: int) -> list[dict[str, Any]]:
-    """Every question of every conversation in one memory mode; one record per question, in order."""
+            concurrency: int, prefill_top_m: int | None = None) -> list[dict[str, Any]]:
+    """Every question of every conversation in one memory mode; one record per question, in order.
+    prefill_top_m: mode kv with the cross-fact repair (the m most relevant facts prefilled)."""
     jobs = [(conv, q) for conv in conversations for q in conv.questions]
+    memory_options: dict[str, Any] = {"mode": mode, "top_k": k}
+    if prefill_top_m is not None:
+        memory_options["prefill_top_m"] = prefill_top_m
 
     def one(conv: Conversation, q: dict[str, Any]) -> dict[str, Any]:
         body = {"user": conv.user_id, "messages": [{"role": "user", "content": q["question"]}],
-                "max_tokens": max_tokens, "temperature": 0.0, "memory": {"mode": mode, "top_k": k}}
+                "max_tokens": max_tokens, "temperature": 0.0, "memory": memory_options}
         try:
             answer, ttft, memory = service.chat_stream(body)
         except Exception as exc:  # scored as an empty answer, counted as an error
@@ -227,7 +231,8 @@ def ask_all(service: Service, conversations: list[Conversation], mode: str, k: i
         return {"answer": answer, "ttft_s": ttft, "fact_ids": fact_ids, "recall": recall, "error": None}
 
     out: list[dict[str, Any] | None] = [None] * len(jobs)
-    with ThreadPoolExecutor(max_workers=concurrency) as pool, tqdm(total=len(jobs), desc=f"ask {mode} k={k}",
+    label = mode if prefill_top_m is None else f"{mode}+m{prefill_top_m}"
+    with ThreadPoolExecutor(max_workers=concurrency) as pool, tqdm(total=len(jobs), desc=f"ask {label} k={k}",
                                                                     unit="q") as bar:
         futures = {pool.submit(one, conv, q): i for i, (conv, q) in enumerate(jobs)}
         for future in as_completed(futures):
@@ -336,6 +341,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[10], help="top_k; several values: one run each")
     parser.add_argument("--window", type=int, required=True, help="the service's memory.window_turns (recorded)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--repair-m", type=int, nargs="*", default=[],
+                        help="also ask in mode kv with memory.prefill_top_m = m, one run per m (reported as kv+m<m>)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per HTTP read")
@@ -358,9 +365,12 @@ def main() -> None:
     doc = {} if args.fresh or not args.out.exists() else json.loads(args.out.read_text())
     for k in args.k:
         answers = {mode: ask_all(service, conversations, mode, k, args.max_tokens, args.concurrency) for mode in args.modes}
+        for m in args.repair_m:
+            answers[f"kv+m{m}"] = ask_all(service, conversations, "kv", k, args.max_tokens, args.concurrency, prefill_top_m=m)
         settings = {"k": k, "window": args.window, "model": model, "conversations": [c.sample_id for c in conversations],
                     "run_tag": args.run_tag, "extract": args.extract, "max_turns": args.max_turns,
                     "max_questions": args.max_questions, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+                    "repair_m": args.repair_m,
                     "url": args.url, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         run = {"settings": settings, **summarize(questions, answers), "ingest": ingest_stats}
         print(f"\nLoCoMo QA, {model}, k={k}, w={args.window}, {len(questions)} questions")

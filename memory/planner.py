@@ -58,12 +58,16 @@ def plan_chat(
     mode: str,
     salt_namespace: str,
     max_prompt_tokens: int | None = None,
+    prefill_top_m: int = 0,
 ) -> ChatPlan:
     """The plan for `messages` conditioned on `hits` (most relevant first); see the module docstring.
 
     max_prompt_tokens: the least relevant facts are left out until the prompt fits (the caller
     rejects a conversation that does not fit even without memory). salt_namespace names the
     user whose requests alone may share the prompt's cached blocks (every mode is salted).
+    prefill_top_m (mode kv): the m most relevant facts are prefilled as text after the injected
+    ones even when their KV is live, so they attend to every other fact (the cross-fact repair:
+    injected facts were each encoded without the others).
     """
     if mode == "none":
         return ChatPlan(prompt_token_ids=layout.plain_prompt_ids(messages), mode=mode, cache_salt=scope_cache_salt(salt_namespace))
@@ -81,13 +85,15 @@ def plan_chat(
     segments = [StoredSegment(kv.prefix.ref, kv.prefix.segment_ids)]
     pending: list[int] = []
     pending_ids: list[str] = []
+    in_context = {hit.fact_id for hit in hits[:prefill_top_m]}  # the most relevant m (hits: most relevant first)
     for hit in ordered:
         state = kv.use(hit.fact_id)
-        if state.ref is not None:
+        if state.ref is not None and hit.fact_id not in in_context:
             segments.append(StoredSegment(state.ref, state.segment_ids))
-        else:
+        else:  # without KV yet (or evicted, failed), or one of the m prefilled on purpose
             pending += state.segment_ids
-            pending_ids.append(hit.fact_id)
+            if state.ref is None:
+                pending_ids.append(hit.fact_id)
     composed = compose(segments, pending + suffix, namespace=salt_namespace)
     return ChatPlan(
         prompt_token_ids=composed.prompt_token_ids,

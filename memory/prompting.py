@@ -10,10 +10,14 @@ memory goes and split there. The prefix is the same for every request, so it is 
 once into the arena and injected too; the facts are injected; only the suffix (the user's
 messages and the generation prompt) is prefilled.
 
-Encode prompt of a fact: [prefix][window][fact], the window being the w conversation turns
-before the fact's source turn, trimmed (oldest turns first) so the prompt fits the engine's
-context. The fact's KV is captured from this prompt (DESIGN §4: the kept
+Encode prompt of a fact: [prefix][window][bridge][fact], the window being the w conversation
+turns before the fact's source turn, trimmed (oldest turns first) so the prompt fits the engine's
+context, and the bridge (memory.window_bridge, after a non-empty window only) the text that
+hands back from the conversation to the fact list. The fact's KV is captured from this prompt (DESIGN §4: the kept
 slice is exactly what a prefill of [prefix; window; fact] produces for it).
+
+The suffix starts with the memory closing (memory.memory_closing, e.g. a line that ends the
+fact list), prefilled in every mode right after the facts.
 
 Fact segments are tokenized on their own ("- text\\n"); both prompt and KV injection use the
 same token ids, so the two paths see identical inputs.
@@ -62,9 +66,13 @@ class EncodePrompt:
 class PromptLayout:
     """Builds token ids for served, encode and extraction prompts with one tokenizer."""
 
-    def __init__(self, tokenizer: Any, instruction: str = DEFAULT_INSTRUCTION) -> None:
+    def __init__(
+        self, tokenizer: Any, instruction: str = DEFAULT_INSTRUCTION, window_bridge: str = "", memory_closing: str = ""
+    ) -> None:
         self.tokenizer = tokenizer
         self.instruction = instruction
+        self.memory_closing = memory_closing  # prefilled right after the facts, in every mode
+        self.bridge_ids: list[int] = self._encode(window_bridge) if window_bridge else []  # between window and fact
         rendered = self._render([{"role": "system", "content": instruction + MEMORY_MARKER}], generation=False)
         if rendered.count(MEMORY_MARKER) != 1:
             raise ValueError("the chat template does not place the system message verbatim")
@@ -86,7 +94,7 @@ class PromptLayout:
         generation prompt. A caller's own system messages go after the memory, inside ours."""
         system = "\n".join(m["content"] for m in messages if m["role"] == "system")
         rest = [dict(m) for m in messages if m["role"] != "system"]
-        content = self.instruction + MEMORY_MARKER + (("\n" + system) if system else "")
+        content = self.instruction + MEMORY_MARKER + self.memory_closing + (("\n" + system) if system else "")
         rendered = self._render([{"role": "system", "content": content}, *rest], generation=True)
         head, tail = rendered.split(MEMORY_MARKER)
         if self._encode(head) != self.prefix_ids:
@@ -114,7 +122,11 @@ class PromptLayout:
                 f"the encode prompt of a {len(fact)}-token fact behind the {len(self.prefix_ids)}-token prefix "
                 f"exceeds {max_tokens} tokens"
             )
-        head = self.prefix_ids + self._fitted_window(window, room)
+        bridge = self.bridge_ids if window else []
+        if room is not None and room < len(bridge):
+            bridge = []
+        window_ids = self._fitted_window(window, None if room is None else room - len(bridge))
+        head = self.prefix_ids + window_ids + (bridge if window_ids else [])
         return EncodePrompt(token_ids=head + fact, start=len(head), length=len(fact))
 
     def _fitted_window(self, window: Sequence[Turn], room: int | None) -> list[int]:

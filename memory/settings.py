@@ -47,6 +47,22 @@ class MemorySettings(BaseModel):
         "or delete it; a proposal below it is an ADD (a small model proposes changes to unrelated facts).",
     )
     instruction: str = Field(DEFAULT_INSTRUCTION, description="System text before the facts (captured once, injected).")
+    prefill_top_m: int = Field(
+        0,
+        ge=0,
+        description="Mode kv: the m most relevant retrieved facts are prefilled as text after the injected ones, so they "
+        "attend to every other fact (each injected fact was encoded alone); a request's memory.prefill_top_m overrides.",
+    )
+    memory_closing: str = Field(
+        "",
+        description="Text right after the facts in every served prompt (prefilled, so it attends to all of them), "
+        "e.g. a line that closes the fact list before the conversation.",
+    )
+    window_bridge: str = Field(
+        "",
+        description="Text between a fact's window and the fact in its encode prompt (memory.prompting): it hands "
+        "back from the conversation to the fact list. Changing it changes only facts encoded afterwards.",
+    )
     redis_prefix: str = Field("kvmem", description="Prefix of every Redis key this service writes.")
     arena_dir: str = Field("/dev/shm", description="Folder for the shared-memory KV arenas (one per shard).")
     arena: ArenaCapacity = Field(default_factory=ArenaCapacity)

@@ -84,7 +84,7 @@ class MemoryShard:
             logger.warning("shard %d: replacing the arena at %s (geometry changed)", shard_id, self._arena_path)
             shutil.rmtree(self._arena_path)
             self.arena = FactArena.create(self._arena_path, geometry)
-        self.layout = PromptLayout(AutoTokenizer.from_pretrained(model_dir), settings.instruction)
+        self.layout = PromptLayout(AutoTokenizer.from_pretrained(model_dir), settings.instruction, settings.window_bridge, settings.memory_closing)
         embed_device = settings.embedding_device
         if embed_device == "auto":
             import torch
@@ -234,6 +234,7 @@ class MemoryShard:
         k: int | None = None,
         mode: str = "kv",
         max_prompt_tokens: int | None = None,
+        prefill_top_m: int | None = None,
     ) -> ChatPlan:
         """The prompt for a chat request with the user's top-k facts (memory.planner.plan_chat);
         the plan's `timings` say where the shard's time went (ms: embed, search, compose)."""
@@ -252,6 +253,7 @@ class MemoryShard:
             mode=mode,
             salt_namespace=f"{self.settings.redis_prefix}:{user_id}",
             max_prompt_tokens=max_prompt_tokens,
+            prefill_top_m=self.settings.prefill_top_m if prefill_top_m is None else prefill_top_m,
         )
         timings["shard_compose"] = (time.perf_counter() - started) * 1e3
         plan.timings = timings

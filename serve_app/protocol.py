@@ -106,6 +106,13 @@ class MemoryOptions(BaseModel):
         "kv", description="kv: inject the facts' stored KV; prompt: prefill the same facts as text; none: no memory."
     )
     top_k: int | None = Field(None, ge=0, le=200, description="Facts to retrieve; default from the service settings.")
+    prefill_top_m: int | None = Field(
+        None,
+        ge=0,
+        le=200,
+        description="Mode kv: prefill the m most relevant facts as text after the injected ones, so they attend to the "
+        "other facts (the cross-fact repair); default memory.prefill_top_m.",
+    )
 
 
 class StreamOptions(BaseModel):

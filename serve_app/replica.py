@@ -67,7 +67,7 @@ class LLMReplica:
         self.shard_id = shard_id
         model = settings.resolved_model()
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.layout = PromptLayout(self.tokenizer, settings.memory.instruction)
+        self.layout = PromptLayout(self.tokenizer, settings.memory.instruction, settings.memory.window_bridge, settings.memory.memory_closing)
         self.limits = TokenLimits(self.layout, settings)  # token bounds, checked before anything is stored or run
         kv_dtype = resolve_dtype(settings.engine)  # the shard's arena holds KV of the dtype engine_kwargs gives vLLM
         actor, self.keeper = start_backends(settings, shard_id, model, kv_dtype)
@@ -132,7 +132,8 @@ class LLMReplica:
                 # facts that do not fit next to the conversation are left out, least relevant first
                 called = time.perf_counter()
                 plan = await self.shard.plan_chat(
-                    request.user, messages, request.memory.top_k, request.memory.mode, self.limits.context - planned
+                    request.user, messages, request.memory.top_k, request.memory.mode, self.limits.context - planned,
+                    request.memory.prefill_top_m,
                 )
                 clock.record("plan_call", called)
                 clock.add(plan.timings)

@@ -102,6 +102,26 @@ def test_one_fact_kv_injection_equals_prompt_injection(memory: Memory) -> None:
     assert gap <= 1e-4, gap
 
 
+def test_the_cross_fact_repair_prefills_the_most_relevant_facts_and_at_m_equal_k_is_prompt_injection(memory: Memory) -> None:
+    """prefill_top_m: the m most relevant facts go as text after the injected ones (same token
+    ids); with m = k only the prefix is injected, so the answer is prompt injection's (fp32)."""
+    texts = ("Alice adopted a beagle named Rex in May 2023.", "Alice lives in Lisbon.", "Alice is allergic to peanuts.")
+    memory.add("alice", *texts)
+    layout = memory.shard.layout
+    prompt_plan = memory.shard.plan_chat("alice", QUESTION, k=3, mode="prompt")
+    repaired = memory.shard.plan_chat("alice", QUESTION, k=3, mode="kv", prefill_top_m=1)
+    assert repaired.prompt_token_ids == prompt_plan.prompt_token_ids and repaired.prefilled_fact_ids == []
+    top = memory.shard.facts[repaired.facts[0].fact_id].text
+    assert repaired.injected_tokens == len(layout.prefix_ids) + sum(len(layout.fact_ids(t)) for t in texts) - len(layout.fact_ids(top))
+    whole = memory.shard.plan_chat("alice", QUESTION, k=3, mode="kv", prefill_top_m=3)
+    assert whole.injected_tokens == len(layout.prefix_ids)
+    injected, plain = memory.run(whole, logprobs=20), memory.run(prompt_plan, logprobs=20)
+    assert injected.num_cached_tokens == len(layout.prefix_ids)
+    assert injected.outputs[0].token_ids == plain.outputs[0].token_ids
+    first_a, first_b = injected.outputs[0].logprobs[0], plain.outputs[0].logprobs[0]
+    assert max(abs(first_a[t].logprob - first_b[t].logprob) for t in set(first_a) & set(first_b)) <= 1e-4
+
+
 def test_deleted_and_updated_facts_are_never_retrieved_or_injected(memory: Memory) -> None:
     shard = memory.shard
     violin, lisbon, peanuts = memory.add("alice", "Alice plays the violin.", "Alice lives in Lisbon.", "Alice is allergic to peanuts.")

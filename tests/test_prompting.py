@@ -66,3 +66,18 @@ def test_locomo_fact_sources_become_one_dialogue_id() -> None:
         ("Fact d.", None, "8 May 2023"),
         ("Fact c.", "D2:7", "9 May 2023"),
     ]
+
+
+def test_window_bridge_and_memory_closing_go_where_the_settings_say(layout: PromptLayout) -> None:
+    """memory.window_bridge: between a non-empty window and the fact (encode prompts only);
+    memory.memory_closing: right after the facts, at the head of every suffix."""
+    framed = PromptLayout(layout.tokenizer, layout.instruction, window_bridge="(end)\n", memory_closing="\nUse them.")
+    window = [Turn(turn_id="D1:1", speaker="Ann", text="I got a kitten!", order=0)]
+    prompt = framed.encode_prompt("Ann has a cat.", window)
+    between = framed.tokenizer.decode(prompt.token_ids[len(framed.prefix_ids) : prompt.start])
+    assert between.endswith("I got a kitten!\n(end)\n") and prompt.token_ids[prompt.start :] == framed.fact_ids("Ann has a cat.")
+    assert framed.encode_prompt("Ann has a cat.", []).start == len(framed.prefix_ids)  # no window, no bridge
+    assert framed.prefix_ids == layout.prefix_ids  # the injected prefix is unchanged
+    messages = [{"role": "user", "content": "Where do I live?"}]
+    assert framed.tokenizer.decode(framed.suffix_ids(messages)).startswith("\nUse them.")
+    assert not layout.tokenizer.decode(layout.suffix_ids(messages)).startswith("\nUse them.")
