@@ -55,6 +55,9 @@ def test_shipped_serve_configs_are_valid_settings(config: str, monkeypatch: pyte
     if config == "config.gpu.yaml":
         assert not settings.engine.enforce_eager and settings.memory.arena.device_pages > 0
         assert settings.llm_replica_num_gpus + settings.shard_num_gpus <= 1 and settings.auth.mode == "keys"
+        # what bench/serve_h200.py found the GPU needs: events batched, several ingresses, a full batch admitted
+        assert settings.engine.stream_interval > 1 and settings.ingress_replicas > 1
+        assert settings.llm_replica_max_ongoing_requests >= settings.engine.max_num_seqs
 
 
 def test_make_serve_announces_the_app_once_its_health_says_ok() -> None:
@@ -97,3 +100,15 @@ def test_auto_dtype_is_float32_only_on_cpus_without_native_bf16() -> None:
     assert not cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")  # this machine's kind
     assert cpu_has_native_bf16("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")  # Sapphire Rapids
     assert cpu_has_native_bf16("Features\t: fp asimd bf16 i8mm\n")  # Arm Neoverse V1
+
+
+def test_engine_kwargs_carry_stream_interval_and_load_format_only_when_set() -> None:
+    """engine.stream_interval (tokens per streamed event after the first) and engine.load_format
+    reach vLLM's engine arguments; the defaults leave vLLM's own defaults alone."""
+    from serve_app.engine import engine_kwargs
+    from serve_app.settings import EngineSettings
+
+    plain = engine_kwargs(EngineSettings(dtype="float32"), "/m")
+    assert "stream_interval" not in plain and "load_format" not in plain
+    gpu = engine_kwargs(EngineSettings(dtype="bfloat16", stream_interval=8, load_format="dummy"), "/m")
+    assert gpu["stream_interval"] == 8 and gpu["load_format"] == "dummy" and gpu["dtype"] == "bfloat16"
