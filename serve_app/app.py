@@ -1,7 +1,8 @@
 """The application builder `serve run config.yaml` imports: `serve_app.app:build_app`.
 
-Thin and keyword-only, like Ray Serve LLM's builders: settings in, a bound application out
-(one ChatAPI ingress in front of one LLMReplica deployment per shard).
+Thin and keyword-only, like Ray Serve LLM's builders: settings in, a bound application out:
+with `routing: router` one ChatAPI ingress in front of one LLMReplica deployment per shard; with
+`routing: direct` one deployment of LLM replicas that are their own ingress (serve_app.replica_ingress).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     settings = ServiceSettings.from_args(args)
     if not settings.redis_url:
         raise ValueError("redis_url (or REDIS_URL) is required: Redis holds the memory records and the user -> shard map")
+    if settings.routing == "direct":
+        from serve_app.replica_ingress import direct_deployment
+
+        return direct_deployment(settings=settings)
     return ChatAPI.options(num_replicas=settings.ingress_replicas).bind(llm_deployments(settings=settings), settings)
 
 

@@ -1,7 +1,10 @@
-"""The HTTP ingress (ChatAPI): routes each user to the replica holding that user's memory.
+"""The HTTP routes (ChatRoutes) and the router deployment that serves them (ChatAPI).
 
-Runs in its own Serve replica in front of one LLMReplica deployment per shard; it imports
-neither torch nor vLLM (tests/test_layout.py checks), so it starts in a second and stays light.
+ChatAPI (`routing: router`, the default) runs in its own Serve replicas in front of one
+LLMReplica deployment per shard and sends each user to the replica holding that user's memory;
+it imports neither torch nor vLLM (tests/test_layout.py checks), so it starts in a second and
+stays light. With `routing: direct` the same routes run inside each LLM replica
+(serve_app.replica_ingress), one Serve hop fewer.
 
 Routes (OpenAI chat completions plus Mem0-style memory operations):
     POST   /v1/chat/completions          chat; `user` selects the memory, `memory` the mode
@@ -86,24 +89,36 @@ def _unavailable(what: str, exc: BaseException) -> HTTPException:
     return HTTPException(status_code=503, detail=f"{what} unavailable: {exc}")
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
-@serve.ingress(api)
-class ChatAPI:
-    """The router: user -> shard (assigned once, kept in Redis, cached here) -> that shard's replica."""
+class ChatRoutes:
+    """The HTTP routes, for whichever deployment is the ingress: the ChatAPI router deployment
+    (below) or, with `routing: direct`, each LLM replica itself (serve_app.replica_ingress).
+    A subclass says where a shard's calls go (`_replica`, `_home_replica`, `num_shards`); what
+    it returns answers the LLM replica's methods as `x.method.remote(...)`, like a Serve handle."""
 
-    def __init__(self, replicas: list[DeploymentHandle], settings: ServiceSettings) -> None:
-        self.replicas = replicas
+    num_shards: int
+    ingress_name: str  # in the X-KVMem-Route header: "router", or the shard of a direct replica
+
+    def _init_routes(self, settings: ServiceSettings) -> None:
         self.settings = settings
         prefix = settings.memory.redis_prefix
         self.directory = UserDirectory.from_url(settings.redis_url, prefix)
         self.keys = KeyStore.from_url(settings.redis_url, prefix, settings.auth.cache_ttl_s)
         self._admin_key_stored = settings.auth.admin_key is None
-        self.stage_seconds = stage_histogram()
+        if getattr(self, "stage_seconds", None) is None:  # the LLM replica may have made it
+            self.stage_seconds = stage_histogram()
         if settings.auth.mode == "off":
             logger.warning(
                 "auth.mode is off: every client may act for every user. Serve on loopback only "
                 "(http_options.host: 127.0.0.1); set auth.mode: keys anywhere else."
             )
+
+    def _replica(self, shard: int) -> Any:
+        """The calls of shard `shard`'s LLM replica."""
+        raise NotImplementedError
+
+    def _home_replica(self) -> Any:
+        """The replica for requests that touch no user's memory."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ who is calling
     async def _principal(self, credentials: HTTPAuthorizationCredentials | None) -> Principal:
@@ -134,12 +149,14 @@ class ChatAPI:
             raise HTTPException(403, "this route needs an admin API key")
 
     # ------------------------------------------------------------------ routing
-    async def _replica_of_user(self, user_id: str) -> DeploymentHandle:
+    async def _shard_of_user(self, user_id: str) -> int:
         try:
-            shard = await self.directory.shard_of(user_id, len(self.replicas))
+            return await self.directory.shard_of(user_id, self.num_shards)
         except RedisError as exc:
             raise _unavailable("memory store (Redis)", exc) from exc
-        return self.replicas[shard]
+
+    async def _replica_of_user(self, user_id: str) -> Any:
+        return self._replica(await self._shard_of_user(user_id))
 
     async def _replica_of_fact(
         self, principal: Principal, fact_id: str, user_id: str | None
@@ -176,20 +193,19 @@ class ChatAPI:
         clock = StageClock()
         principal = await self._principal(credentials)
         routed = clock.record("auth", clock.started)
+        shard: int | None = None
         if request.user:
             self._require_user(principal, request.user)
-            cached = self.directory.cached_shard(request.user)
-            if cached is not None:
-                replica = self.replicas[cached]
-            elif request.memory.mode == "none":  # needs no memory: answer even while Redis is down
+            shard = self.directory.cached_shard(request.user)
+            if shard is None:
                 try:
-                    replica = await self._replica_of_user(request.user)
+                    shard = await self._shard_of_user(request.user)
                 except HTTPException:
-                    replica = self.replicas[0]
-            else:
-                replica = await self._replica_of_user(request.user)
-        else:
-            replica = self.replicas[0]
+                    if request.memory.mode != "none":
+                        raise  # a request that needs no memory is answered even while Redis is down
+        replica = self._home_replica() if shard is None else self._replica(shard)
+        # which ingress took the request and which shard answered it (routing is observable)
+        response.headers["X-KVMem-Route"] = route = f"{self.ingress_name} -> {'home' if shard is None else f'shard-{shard}'}"
         scope = None if self.settings.auth.mode == "off" else principal.cache_scope  # salts a user-less request
         called = clock.record("route", routed)
         if not request.stream:
@@ -215,7 +231,8 @@ class ChatAPI:
                     return
                 yield event
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers={"Server-Timing": self._timed(clock)})
+        headers = {"Server-Timing": self._timed(clock), "X-KVMem-Route": route}
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
 
     def _timed(self, clock: StageClock) -> str:
         """Records the ingress's stages (metrics) and gives them as a Server-Timing value."""
@@ -225,14 +242,14 @@ class ChatAPI:
 
     # ------------------------------------------------------------------ memory
     @api.post("/v1/memories")
-    async def add_memory(
+    async def add_memories(
         self, request: AddMemoryRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> dict[str, Any]:
         self._require_user(await self._principal(credentials), request.user_id)
         return await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
 
     @api.get("/v1/memories")
-    async def get_all(
+    async def list_memories(
         self, user_id: str = Query(..., min_length=1, max_length=256),
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
     ) -> dict[str, Any]:
@@ -241,7 +258,7 @@ class ChatAPI:
         return {"results": [r.model_dump() for r in records]}
 
     @api.post("/v1/memories/search")
-    async def search(
+    async def search_memories(
         self, request: SearchMemoryRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> dict[str, Any]:
         self._require_user(await self._principal(credentials), request.user_id)
@@ -250,14 +267,14 @@ class ChatAPI:
         return {"results": [{"id": h.fact_id, "memory": h.text, "score": h.score, "source_id": h.source_id} for h in hits]}
 
     @api.get("/v1/memories/{fact_id}")
-    async def get(
+    async def get_memory(
         self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> dict[str, Any]:
         replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
         return (await self._answer(replica.get.remote(fact_id, owner))).model_dump()
 
     @api.put("/v1/memories/{fact_id}")
-    async def update(
+    async def update_memory(
         self, fact_id: str, request: UpdateMemoryRequest, user_id: str | None = None,
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
     ) -> dict[str, Any]:
@@ -265,7 +282,7 @@ class ChatAPI:
         return (await self._answer(replica.update.remote(fact_id, owner, request.text, wait_for_kv=request.wait_for_kv))).model_dump()
 
     @api.delete("/v1/memories/{fact_id}")
-    async def delete(
+    async def delete_memory(
         self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> dict[str, Any]:
         replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
@@ -273,7 +290,7 @@ class ChatAPI:
         return {"message": f"memory {fact_id} deleted"}
 
     @api.delete("/v1/memories")
-    async def delete_all(
+    async def delete_memories(
         self, user_id: str = Query(..., min_length=1, max_length=256),
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
     ) -> dict[str, Any]:
@@ -283,7 +300,7 @@ class ChatAPI:
         return {"message": f"{deleted} memories of {user_id} deleted", "deleted": deleted}
 
     @api.get("/v1/memories/{fact_id}/history")
-    async def history(
+    async def memory_history(
         self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> dict[str, Any]:
         replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
@@ -291,9 +308,9 @@ class ChatAPI:
         return {"results": [e.model_dump() for e in events]}
 
     @api.get("/v1/shards")
-    async def shards(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
+    async def shard_stats(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
         self._require_admin(await self._principal(credentials))
-        return {"results": [await self._answer(r.stats.remote()) for r in self.replicas]}
+        return {"results": [await self._answer(self._replica(shard).stats.remote()) for shard in range(self.num_shards)]}
 
     # ------------------------------------------------------------------ API keys (admin)
     @api.post("/v1/admin/keys")
@@ -324,7 +341,7 @@ class ChatAPI:
         return {"object": "list", "data": [{"id": self.settings.served_model_name, "object": "model"}]}
 
     @api.get("/health")
-    async def health(self) -> Any:
+    async def service_health(self) -> Any:
         """Redis, and each replica's engine and memory shard; 503 naming whatever is not ok.
 
         {"status": "ok", "redis": "ok", "replicas": {"0": {"engine": "ok", "shard": "ok"}}}"""
@@ -337,15 +354,35 @@ class ChatAPI:
             except Exception as exc:  # reported, never raised
                 return f"unreachable: {type(exc).__name__}: {exc}"[:300]
 
-        async def replica_status(replica: DeploymentHandle) -> dict[str, str]:
+        async def replica_status(replica: Any) -> dict[str, str]:
             try:
                 return await asyncio.wait_for(replica.health.remote(), self.settings.health_timeout_s + 2)
             except Exception as exc:
                 return {"replica": f"unavailable: {type(exc).__name__}: {exc}"[:300]}
 
-        redis_ok, *replicas = await asyncio.gather(redis_status(), *(replica_status(r) for r in self.replicas))
+        shards = [self._replica(shard) for shard in range(self.num_shards)]
+        redis_ok, *replicas = await asyncio.gather(redis_status(), *(replica_status(r) for r in shards))
         report: dict[str, Any] = {"redis": redis_ok, "replicas": {str(i): r for i, r in enumerate(replicas)}}
         failing = [f"redis: {redis_ok}"] if redis_ok != "ok" else []
         failing += [f"replica {i} {part}: {state}" for i, r in enumerate(replicas) for part, state in r.items() if state != "ok"]
         report = {"status": "ok" if not failing else "; ".join(failing), **report}
         return JSONResponse(report, status_code=200 if not failing else 503)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+@serve.ingress(api)
+class ChatAPI(ChatRoutes):
+    """The router deployment: user -> shard (assigned once, kept in Redis, cached here) -> the
+    handle of that shard's LLMReplica deployment."""
+
+    def __init__(self, replicas: list[DeploymentHandle], settings: ServiceSettings) -> None:
+        self.replicas = replicas
+        self.num_shards = len(replicas)
+        self.ingress_name = "router"
+        self._init_routes(settings)
+
+    def _replica(self, shard: int) -> DeploymentHandle:
+        return self.replicas[shard]
+
+    def _home_replica(self) -> DeploymentHandle:
+        return self.replicas[0]

@@ -1,7 +1,8 @@
-"""LLMReplica: a Ray Serve deployment that owns one vLLM AsyncLLM engine and its memory shard.
+"""MemoryLLM / LLMReplica: one vLLM AsyncLLM engine and its memory shard, as a Ray Serve replica.
 
-One replica per GPU (per engine on CPU), each its own deployment (`LLMReplica_<i>`) so the
-router can send a user to the one replica holding that user's memory. At start the replica
+One replica per GPU (per engine on CPU). Behind the ChatAPI router each is its own deployment
+(`LLMReplica_<i>`) so the router can send a user to the one replica holding that user's memory;
+with `routing: direct` each is also the HTTP ingress (serve_app.replica_ingress). At start the replica
 starts (or finds) its MemoryShard actor, opens the engine with the KV-memory connector over
 the shard's arena, and runs an EncodeDriver in the background (it picks up facts queued by a
 shard rebuild). A chat request with a `user` asks the shard for a plan (top-k facts, token
@@ -54,8 +55,10 @@ def _not_found() -> Iterator[None]:
         raise NotFound(str(exc.args[0] if exc.args else exc)) from None
 
 
-@serve.deployment(max_ongoing_requests=64, health_check_period_s=2, health_check_timeout_s=30)
-class LLMReplica:
+class MemoryLLM:
+    """One vLLM engine with its memory shard: the replica's work, whichever deployment runs it
+    (LLMReplica below, behind the ChatAPI router; or serve_app.replica_ingress.ReplicaIngress)."""
+
     def __init__(self, settings: ServiceSettings, shard_id: int = 0) -> None:
         from transformers import AutoTokenizer
 
@@ -342,3 +345,7 @@ class LLMReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+# The replica behind the ChatAPI router deployment (`routing: router`), one deployment per shard.
+LLMReplica = serve.deployment(max_ongoing_requests=64, health_check_period_s=2, health_check_timeout_s=30)(MemoryLLM)

@@ -85,10 +85,17 @@ class ServiceSettings(BaseSettings):
     llm_replicas: int = Field(
         1, gt=0, description="Number of LLM replicas (one engine and one memory shard each); users are spread over them."
     )
+    routing: Literal["router", "direct"] = Field(
+        "router",
+        description="router: a ChatAPI router deployment sends each request to the LLM replica of the user's shard "
+        "(proxy -> ChatAPI -> LLMReplica). direct: each LLM replica is its own HTTP ingress and Serve's request "
+        "router (serve_app.shard_router) picks it from the `x-session-id` header (the user id): one Serve hop "
+        "fewer; a request without the header may land on another replica, which forwards it.",
+    )
     ingress_replicas: int = Field(
         1,
         gt=0,
-        description="Replicas of the HTTP ingress (ChatAPI; stateless, each caches the user -> shard map). It relays "
+        description="Replicas of the ChatAPI router (routing: router; stateless, each caches the user -> shard map). It relays "
         "every streamed event, so one replica caps a GPU's QPS (bench/serve_h200.py); config.gpu.yaml runs 4.",
     )
     memory: MemorySettings = Field(default_factory=MemorySettings)

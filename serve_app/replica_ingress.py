@@ -1,0 +1,110 @@
+"""ReplicaIngress: the `routing: direct` topology, where each LLM replica is its own HTTP ingress.
+
+Serve's proxy hands an HTTP request straight to an LLM replica, chosen by UserShardRouter
+(serve_app.shard_router) from the `x-session-id` header (the user id): one Serve hop instead of
+two (proxy -> ChatAPI -> LLMReplica). The replica runs the same routes as ChatAPI
+(serve_app.ingress.ChatRoutes): keys, ownership checks and the user -> shard map from Redis.
+A request for its own shard runs in process; one for another shard (no header, or a user placed
+before the shard count changed) is forwarded through a handle to this deployment with the hint
+`shard:<n>`, which the router sends only to that shard's replica.
+
+The replica's shard is its Serve replica rank (0 .. llm_replicas - 1; a replacement replica takes
+the rank, and so the shard actor, of the one it replaces), published to the routers through
+Serve's record_replica_metadata hook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from serve_app.ingress import ChatRoutes, api
+from serve_app.replica import MemoryLLM
+from serve_app.settings import ServiceSettings
+from serve_app.shard_router import UserShardRouter, replica_metadata, shard_hint
+
+
+class _LocalStream:
+    """An async generator of this process behind the shape of a streaming Serve response."""
+
+    def __init__(self, events: AsyncIterator[Any]) -> None:
+        self._events = events
+
+    def __aiter__(self) -> "_LocalStream":
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._events.__anext__()
+
+    def cancel(self) -> None:
+        close = getattr(self._events, "aclose", None)
+        if close is not None:
+            asyncio.get_running_loop().create_task(close())
+
+
+class _LocalMethod:
+    def __init__(self, method: Any, stream: bool) -> None:
+        self._method = method
+        self._stream = stream
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._method(*args, **kwargs)
+        return _LocalStream(result) if self._stream else result
+
+
+class LocalCalls:
+    """This replica's own methods, called the way ChatRoutes calls a handle
+    (`x.method.remote(...)`, `x.options(stream=True).method.remote(...)`), without a Serve hop."""
+
+    def __init__(self, target: MemoryLLM, stream: bool = False) -> None:
+        self._target = target
+        self._stream = stream
+
+    def options(self, *, stream: bool = False) -> "LocalCalls":
+        return LocalCalls(self._target, stream)
+
+    def __getattr__(self, name: str) -> _LocalMethod:
+        return _LocalMethod(getattr(self._target, name), self._stream)
+
+
+class ReplicaIngress(ChatRoutes, MemoryLLM):
+    """An LLM replica that is its own HTTP ingress (see the module docstring)."""
+
+    def __init__(self, settings: ServiceSettings) -> None:
+        context = serve.get_replica_context()
+        shard = context.rank.rank
+        if shard >= settings.llm_replicas:
+            raise RuntimeError(f"replica rank {shard} has no shard (llm_replicas = {settings.llm_replicas})")
+        MemoryLLM.__init__(self, settings, shard)
+        self.num_shards = settings.llm_replicas
+        self.ingress_name = f"shard-{shard}"
+        self._init_routes(settings)
+        self._local = LocalCalls(self)
+        self._peers = serve.get_deployment_handle(context.deployment, app_name=context.app_name)
+
+    def _replica(self, shard: int) -> Any:
+        if shard == self.shard_id:
+            return self._local
+        return self._peers.options(session_id=shard_hint(shard))
+
+    def _home_replica(self) -> Any:
+        return self._local
+
+    def record_replica_metadata(self) -> dict[str, Any]:
+        """Serve's hook: the shard this replica serves, for UserShardRouter."""
+        return replica_metadata(self.shard_id, self.num_shards)
+
+
+def direct_deployment(*, settings: ServiceSettings) -> serve.Application:
+    """`llm_replicas` replicas of ReplicaIngress, routed by user (UserShardRouter)."""
+    deployment = serve.deployment(health_check_period_s=2, health_check_timeout_s=30)(serve.ingress(api)(ReplicaIngress))
+    return deployment.options(
+        name="LLMReplica",
+        num_replicas=settings.llm_replicas,
+        max_ongoing_requests=settings.llm_replica_max_ongoing_requests,
+        request_router_config=RequestRouterConfig(request_router_class=UserShardRouter),
+        ray_actor_options={"num_cpus": settings.llm_replica_num_cpus, "num_gpus": settings.llm_replica_num_gpus},
+    ).bind(settings)

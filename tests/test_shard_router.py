@@ -1,0 +1,69 @@
+"""UserShardRouter (serve_app.shard_router) with Ray Serve's own request objects: a shard hint
+goes only to that shard's replica (or waits), a user id to its stable-hash shard, and a replica
+that has not published its shard is never chosen for a strict hint.
+
+The candidates are stand-ins carrying the two properties the router reads (Serve's
+RunningReplica looks its actor up when built); tests/test_direct_routing.py routes through
+Serve's real replicas."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
+
+from memory.redis_keys import stable_shard
+from serve_app.shard_router import UserShardRouter, replica_metadata, shard_hint, wanted_shard
+
+DEPLOYMENT = DeploymentID(name="LLMReplica", app_name="kvmem")
+
+
+@dataclass
+class Candidate:
+    replica_id: ReplicaID
+    replica_metadata: dict[str, Any]
+
+
+def _replica(tag: str, metadata: dict) -> Any:
+    return Candidate(ReplicaID(unique_id=tag, deployment_id=DEPLOYMENT), metadata)
+
+
+def _choose(replicas: list[Any], session_id: str) -> list[list[str]]:
+    async def run() -> list[list[str]]:
+        router = UserShardRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.PROXY)
+        request = PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id="i", session_id=session_id))
+        ranks = await router.choose_replicas(replicas, request)
+        assert request.routing_context.should_backoff  # a wait backs off instead of spinning
+        return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+    return asyncio.run(run())
+
+
+def test_wanted_shard_reads_hints_and_user_ids() -> None:
+    assert wanted_shard(shard_hint(3), 4) == (3, True)
+    assert wanted_shard("alice", 4) == (stable_shard("alice", 4), False)
+    assert wanted_shard("", 4) == (None, False)
+    assert wanted_shard("shard:x", 4) == (None, False)
+    assert wanted_shard("alice", 0) == (None, False)  # no replica published the shard count yet
+
+
+def test_shard_hint_goes_to_that_shard_only() -> None:
+    replicas = [_replica("a", replica_metadata(0, 2)), _replica("b", replica_metadata(1, 2))]
+    assert _choose(replicas, shard_hint(1)) == [["b"]]
+    assert _choose(replicas, shard_hint(0)) == [["a"]]
+    # shard 1's replica is down or has not published its shard: the call waits, never lands on shard 0
+    assert _choose([replicas[0], _replica("c", {})], shard_hint(1)) == []
+
+
+def test_user_id_goes_to_its_stable_shard_else_anywhere() -> None:
+    replicas = [_replica("a", replica_metadata(0, 2)), _replica("b", replica_metadata(1, 2))]
+    users = {stable_shard(f"user-{i}", 2): f"user-{i}" for i in range(20)}
+    assert _choose(replicas, users[0]) == [["a"]]
+    assert _choose(replicas, users[1]) == [["b"]]
+    # its shard's replica is not up: any replica takes it (the ingress routes forward it)
+    assert _choose([replicas[0]], users[1]) == [["a"]]
+    assert _choose(replicas, "") == [["a", "b"]]
