@@ -95,6 +95,11 @@ class ServiceUnderTest:
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         return path
 
+    def routing(self) -> str:
+        """The topology config.gpu.yaml runs (KVMEM_ROUTING overrides it, as for the service)."""
+        doc = yaml.safe_load((ROOT / "config.gpu.yaml").read_text())
+        return os.environ.get("KVMEM_ROUTING") or doc["applications"][0]["args"].get("routing", "router")
+
     def environment(self) -> dict[str, str]:
         from devtools.local_redis import LocalRedis
 
@@ -197,7 +202,7 @@ def run(args: argparse.Namespace) -> None:
         context = serve_parts.Context(url=service.url, admin_key=service.admin_key, out=args.out,
                                       locomo=STAGE / "locomo.json", deadline=deadline, rounds=args.rounds,
                                       locust_users=tuple(int(u) for u in args.locust_users.split(",")),
-                                      locust_seconds=args.locust_seconds)
+                                      locust_seconds=args.locust_seconds, routing=service.routing())
         for name in filter(None, args.parts.split(",")):
             part = serve_parts.PARTS[name]
             if deadline - time.monotonic() < part.needs_s:

@@ -8,7 +8,8 @@ Each part takes a Context and returns keys of serve_h200.json:
   (every cell of a round asks the same LoCoMo question of a user holding conversation 0's
   observation facts); beside it the engine's TTFT of the same request and every stage of it
   (the answer's `timings`, the ingress's Server-Timing header);
-- floor: the same timing through bench/serve_floor.py's no-op applications;
+- floor: the same timing through bench/serve_floor.py's no-op applications (`serve_floor_ms` is
+  the one with the service's hop structure: one deployment for `routing: direct`);
 - ingest: bench.ingest_turns over conversation 0, one add per turn (per-add p50, KV live after
   the last add);
 - locust: loadtest/locustfile.py headless, closed loop, k = 50, 50 output tokens, per mode and
@@ -50,6 +51,7 @@ class Context:
     rounds: int = 30
     locust_users: tuple[int, ...] = LOCUST_USERS
     locust_seconds: int = 15
+    routing: str = "router"  # the service's topology: which floor has its hop structure
 
     def client(self, timeout_s: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=timeout_s)
@@ -70,7 +72,8 @@ def stream_once(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[s
     started = time.perf_counter()
     first = first_content = None
     last: dict[str, Any] = {}
-    with client.stream("POST", path, json={**body, "stream": True}) as response:
+    session = {"x-session-id": body["user"]} if body.get("user") else None  # routing: direct goes straight to the shard
+    with client.stream("POST", path, json={**body, "stream": True}, headers=session) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{path}: HTTP {response.status_code}: {response.read().decode()[:300]}")
         timing = response.headers.get("server-timing", "")
@@ -118,7 +121,8 @@ def examples(ctx: Context) -> dict[str, Any]:
             ("shards", "GET", "/v1/shards", None),
         ]
         for name, method, path, body in calls:
-            response = client.request(method, path, json=body)
+            user = (body or {}).get("user") or (body or {}).get("user_id")
+            response = client.request(method, path, json=body, headers={"x-session-id": user} if user else None)
             payload = response.json() if response.headers.get("content-type", "").startswith("application/json") else response.text[:200]
             seen[name] = {"status": response.status_code, "memory": payload.get("memory") if isinstance(payload, dict) else None}
         shards = payload["results"] if isinstance(payload, dict) else []
@@ -161,9 +165,11 @@ def floor(ctx: Context) -> dict[str, Any]:
     body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     out: dict[str, Any] = {}
     with ctx.client() as client:
-        for name, prefix in (("serve_floor_ms", "/floor"), ("serve_floor_direct_ms", "/floor-direct")):
+        for name, prefix in (("serve_floor_chain_ms", "/floor"), ("serve_floor_direct_ms", "/floor-direct")):
             times = [stream_once(client, f"{prefix}/v1/chat/completions", body)["http_ms"] for _ in range(ctx.rounds + 10)]
             out[name] = median(times[10:])
+    # the floor with the service's own hop structure: proxy -> replica for routing: direct
+    out["serve_floor_ms"] = out["serve_floor_direct_ms" if ctx.routing == "direct" else "serve_floor_chain_ms"]
     return out
 
 
