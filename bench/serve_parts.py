@@ -215,6 +215,27 @@ def locust(ctx: Context) -> dict[str, Any]:
 
 
 
+def diagnose(ctx: Context) -> dict[str, Any]:
+    """/health now; when a shard is not answering, the Ray states of the shard actors' unfinished
+    tasks (where calls wait: ordering, arguments, or running), to find why."""
+    with ctx.client(timeout_s=30) as client:
+        health = client.get("/health").json()
+    out: dict[str, Any] = {"health_after": health}
+    if health.get("status") != "ok":
+        script = (
+            "import json, ray\n"
+            "from ray.util.state import list_actors, list_tasks\n"
+            "ray.init(address='auto', logging_level='ERROR')\n"
+            "shards = [a.actor_id for a in list_actors(filters=[('class_name', '=', 'MemoryShard')])]\n"
+            "tasks = [t for t in list_tasks(filters=[('state', '!=', 'FINISHED')], limit=2000) if t.actor_id in shards]\n"
+            "print(json.dumps([{'name': t.name, 'state': t.state, 'actor_id': t.actor_id} for t in tasks][:200]))\n"
+        )
+        env = dict(os.environ, RAY_AUTH_MODE="token")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+        out["shard_tasks_unfinished"] = done.stdout[-20000:] or done.stderr[-3000:]
+    return out
+
+
 def report(result: dict[str, Any]) -> str:
     lines = [f"startup {result.get('startup_s')} s; index {result.get('index_backend')}; floor {result.get('serve_floor_ms')} ms "
              f"(one deployment {result.get('serve_floor_direct_ms')} ms); skipped {result.get('parts_skipped')}; errors {result.get('errors')}"]
@@ -285,6 +306,7 @@ PARTS = {
     "examples": Part(examples, 20),
     "ttft": Part(ttft, 90),
     "floor": Part(floor, 15),
+    "diagnose": Part(diagnose, 10),
     "ingest": Part(ingest, 90),
     "locust": Part(locust, 60),
 }

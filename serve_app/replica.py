@@ -31,6 +31,7 @@ from serve_app.protocol import AddMemoryRequest, ChatCompletionRequest, ChatComp
 from serve_app.errors import RefusalsAreNotFailures
 from serve_app.limits import TokenLimits
 from serve_app.settings import ServiceSettings
+from serve_app.shard_watchdog import ShardWatchdog
 from serve_app.stage_timings import StageClock, stage_histogram
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class MemoryLLM:
         actor, self.keeper = start_backends(settings, shard_id, model, kv_dtype)
         self.keeper.on_swap = lambda engine: setattr(self.driver, "engine", engine)
         self.shard = ShardClient(actor, timeout_s=settings.shard_call_timeout_s)
+        self.watchdog = ShardWatchdog(self.shard, settings.health_timeout_s, settings.shard_restart_after_s)
         self._driver_task: asyncio.Task | None = None
         self._stats_exported_at = 0.0
         from serve_app.encode_driver import EncodeDriver
@@ -89,6 +91,7 @@ class MemoryLLM:
         self.encode_seconds = Counter("kvmem_encode_seconds_total", description="Engine time spent encoding facts.")
         self.arena_bytes = Gauge("kvmem_arena_bytes", description="Fact KV bytes held, by tier.", tag_keys=("tier", "shard"))
         self.facts_gauge = Gauge("kvmem_facts", description="Facts held by the shard.", tag_keys=("shard",))
+        self.shard_restarts = Counter("kvmem_shard_restarts_total", description="Shard actors restarted for not answering.")
         self.pending_gauge = Gauge("kvmem_pending_encodes", description="Facts waiting for their KV.", tag_keys=("shard",))
 
         def on_batch(live: int, seconds: float) -> None:
@@ -316,11 +319,15 @@ class MemoryLLM:
 
     async def check_health(self) -> None:
         """Serve's probe: fails when the engine is dead and not coming back in place
-        (serve_app.replica_lifecycle.EngineKeeper.failure), so Serve replaces the replica."""
+        (serve_app.replica_lifecycle.EngineKeeper.failure), so Serve replaces the replica. It also
+        probes the shard (serve_app.shard_watchdog restarts one that stopped answering)."""
         self._ensure_driver()
         failure = self.keeper.failure()
         if failure is not None:
             raise RuntimeError(f"engine {failure}")
+        restarts = self.watchdog.restarts
+        await self.watchdog.probe()
+        _count(self.shard_restarts, self.watchdog.restarts - restarts)
         if time.monotonic() - self._stats_exported_at > 10:  # metrics, not health: at most every 10 s
             self._stats_exported_at = time.monotonic()
             try:
@@ -332,11 +339,7 @@ class MemoryLLM:
         """{"engine": "ok" | "restarting: …" | "dead: …", "shard": "ok" | "…"}; answers within
         about health_timeout_s whatever the engine or shard are doing."""
         self._ensure_driver()
-        try:
-            shard = await self.shard.health(timeout_s=self.settings.health_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - reported, not raised
-            shard = f"unavailable: {type(exc).__name__}: {exc}"[:300]
-        return {"engine": self.keeper.status(), "shard": shard}
+        return {"engine": self.keeper.status(), "shard": await self.watchdog.probe()}
 
     def __del__(self) -> None:
         keeper = getattr(self, "keeper", None)

@@ -129,6 +129,12 @@ class ServiceSettings(BaseSettings):
     health_timeout_s: float = Field(
         2.0, gt=0, description="Most seconds a replica's health report waits for its shard's answer."
     )
+    shard_restart_after_s: float = Field(
+        120.0,
+        gt=0,
+        description="A memory shard actor that answers no health probe for this long while alive is killed and "
+        "restarted by Ray (serve_app.shard_watchdog); keep it above the longest index build.",
+    )
     shard_num_gpus: float = Field(
         0.0,
         ge=0,

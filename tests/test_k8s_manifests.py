@@ -218,3 +218,31 @@ def test_the_cluster_requires_api_keys_and_config_yaml_stays_on_loopback(rayserv
     local = serve_config("config.yaml")
     if ServiceSettings.from_args(local["applications"][0]["args"]).auth.mode == "off":
         assert local["http_options"]["host"] in {"127.0.0.1", "localhost", "::1"}
+
+
+def test_the_dockerfile_builds_the_image_the_rayservice_names() -> None:
+    """The Dockerfile installs the `gpu` extra (cuVS included), ships every package, converts the
+    offline models where the RayService looks for them, and .dockerignore keeps local state out."""
+    import re
+    import tomllib
+
+    dockerfile = (REPO / "Dockerfile").read_text()
+    ignored = set((REPO / ".dockerignore").read_text().split())
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert any("cuvs-cu13" in dep for dep in project["project"]["optional-dependencies"]["gpu"])
+    assert re.search(r'pip install --user "\.\[gpu\]"', dockerfile)
+    assert "COPY --chown=ray . ." in dockerfile and "python -m devtools.offline_models --prepare" in dockerfile
+    base = re.search(r"^FROM python:(\d+)\.(\d+)", dockerfile, re.M)
+    assert base and project["project"]["requires-python"] == ">=3.11,<3.13" and (3, 11) <= tuple(map(int, base.groups())) < (3, 13)
+    for package in project["tool"]["setuptools"]["packages"]["find"]["include"]:
+        assert (REPO / package.rstrip("*")).is_dir() and package.rstrip("*") not in ignored
+    assert {".venv", ".cache", ".git", ".device-stage", ".serve-stage"} <= ignored
+    cache = re.search(r"KVMEM_MODEL_CACHE=(\S+)", dockerfile).group(1)
+    doc = yaml.safe_load(RAYSERVICE_PATH.read_text())
+    containers = [doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]]
+    containers += [g["template"]["spec"]["containers"][0] for g in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
+    for container in containers:
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["KVMEM_MODEL_CACHE"] == cache
+    command = re.search(r'^CMD \["serve", "run", "([^"]+)"\]', dockerfile, re.M).group(1)
+    assert (REPO / command).is_file()
