@@ -3,7 +3,8 @@
 The shard must share a host with its engine (the arena is shared memory), so it is pinned to
 the caller's node. Ray restarts it when it dies (max_restarts=-1) and retries the calls that
 were in flight (max_task_retries=-1); every shard method that writes is idempotent (fact
-records are de-duplicated in Redis), so a retried call makes no duplicates.
+records are de-duplicated in Redis), so a retried call makes no duplicates. Calls run one at a
+time, in the order they arrive (not the order they were sent: see allow_out_of_order_execution).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def start_shard_actor(
         get_if_exists=True,
         max_restarts=-1,
         max_task_retries=-1,
+        # No head-of-line blocking: with in-order execution a call that never reaches the actor (Serve
+        # cancels a disconnected client's request, and Ray cancels the shard calls it made with it) left
+        # every later call of that replica waiting in PENDING_ACTOR_TASK_ORDERING_OR_CONCURRENCY for good
+        # (seen on the H200 after Locust runs). Nothing relies on the order: a replica awaits each call
+        # before one that depends on it, and the shard runs one call at a time either way.
+        allow_out_of_order_execution=True,
         num_cpus=0,
         num_gpus=num_gpus,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),

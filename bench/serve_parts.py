@@ -228,11 +228,20 @@ def diagnose(ctx: Context) -> dict[str, Any]:
             "ray.init(address='auto', logging_level='ERROR')\n"
             "shards = [a.actor_id for a in list_actors(filters=[('class_name', '=', 'MemoryShard')])]\n"
             "tasks = [t for t in list_tasks(filters=[('state', '!=', 'FINISHED')], limit=2000) if t.actor_id in shards]\n"
-            "print(json.dumps([{'name': t.name, 'state': t.state, 'actor_id': t.actor_id} for t in tasks][:200]))\n"
+            "from collections import Counter\n"
+            "print(json.dumps({'by_state': {f'{n} {s}': c for (n, s), c in Counter((t.name, t.state) for t in tasks).items()},\n"
+            "                  'not_waiting': [(t.name, t.state) for t in tasks if 'ORDERING' not in t.state][:50]}))\n"
         )
         env = dict(os.environ, RAY_AUTH_MODE="token")
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
         out["shard_tasks_unfinished"] = done.stdout[-20000:] or done.stderr[-3000:]
+        started = time.monotonic()  # the shard watchdog restarts a silent shard: how long until ok
+        while time.monotonic() < ctx.deadline - 5:
+            time.sleep(5)
+            with ctx.client(timeout_s=30) as client:
+                if client.get("/health").json().get("status") == "ok":
+                    out["health_ok_again_after_s"] = round(time.monotonic() - started, 1)
+                    break
     return out
 
 
