@@ -28,6 +28,7 @@ def _event(content: str | None, role: str | None = None) -> str:
 
 
 GOOD_STREAM = [_event("", "assistant"), "", _event("Paris"), "", _event("."), "", "data: [DONE]"]
+GOOD_STREAM_EVENTS = [line for line in GOOD_STREAM if line]
 RESPONSES = {
     "good": (200, GOOD_STREAM),
     "empty": (200, [_event(None, "assistant"), _event("  "), "data: [DONE]"]),
@@ -121,3 +122,64 @@ def test_locust_itself_finds_the_user_class() -> None:
     )
     assert listing.returncode == 0, listing.stderr
     assert "ChatUser" in listing.stdout
+
+
+def test_headless_run_sends_what_the_environment_asks(tmp_path: Path) -> None:
+    """`locust --headless` against a loopback server that records every request: the key, the
+    session header (the user: routing: direct sends it straight to the user's replica), top_k,
+    max_tokens and mode from KVMEM_LOADTEST_*, no seeding with FACTS=0, and a closed loop with
+    WAIT_S=0 (many chats per client in a few seconds). The server is a recorder, not the service:
+    what is checked is what Locust sends."""
+    import http.server
+    import threading
+
+    seen: list[tuple[str, dict[str, str], dict[str, Any] | None]] = []
+    stream = "\n\n".join(GOOD_STREAM_EVENTS).encode() + b"\n\n"
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self, body: bytes, content_type: str) -> None:
+            self.send_response(200)
+            self.send_header("content-type", content_type)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            length = int(self.headers.get("content-length", 0))
+            seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}, json.loads(self.rfile.read(length) or b"null")))
+            if self.path == "/v1/chat/completions":
+                self._answer(stream, "text/event-stream")
+            else:
+                self._answer(b'{"results": []}', "application/json")
+
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}, None))
+            self._answer(b'{"status": "ok"}', "application/json")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {**os.environ, "KVMEM_LOADTEST_USERS": "3", "KVMEM_LOADTEST_FACTS": "0", "KVMEM_LOADTEST_MEMORY_MODE": "prompt",
+           "KVMEM_LOADTEST_TOP_K": "7", "KVMEM_LOADTEST_MAX_TOKENS": "5", "KVMEM_LOADTEST_WAIT_S": "0",
+           "KVMEM_LOADTEST_API_KEY": "kvm-locust-test"}
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "2", "-r", "2", "-t", "4s",
+             "--host", f"http://127.0.0.1:{server.server_address[1]}", "--only-summary"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        server.shutdown()
+    assert run.returncode == 0, run.stderr[-2000:]
+    chats = [(headers, body) for path, headers, body in seen if path == "/v1/chat/completions"]
+    assert len(chats) >= 20, len(chats)  # closed loop: no think time between chats
+    assert not [path for path, _, _ in seen if path.startswith("/v1/memories")]  # FACTS=0: no seeding
+    for headers, body in chats:
+        assert headers["authorization"] == "Bearer kvm-locust-test"
+        assert headers["x-session-id"] == body["user"]
+        assert body["memory"] == {"mode": "prompt", "top_k": 7} and body["max_tokens"] == 5
+
