@@ -14,6 +14,21 @@ from typing import Any
 from memory.settings import MemorySettings
 
 
+# Restarted when its process dies, its in-flight calls retried; calls run as they arrive.
+# No head-of-line blocking: with in-order execution a call that never reaches the actor (Serve
+# cancels a disconnected client's request, and Ray cancels the shard calls it made with it) left
+# every later call of that replica waiting in PENDING_ACTOR_TASK_ORDERING_OR_CONCURRENCY for good
+# (seen on the H200 after Locust runs; tests/test_shard_actor_ordering.py reproduces it on CPU).
+# Nothing relies on the order: a replica awaits each call before one that depends on it, and the
+# shard runs one call at a time either way.
+SHARD_ACTOR_OPTIONS: dict[str, Any] = {
+    "max_restarts": -1,
+    "max_task_retries": -1,
+    "allow_out_of_order_execution": True,
+    "num_cpus": 0,
+}
+
+
 def shard_actor_name(namespace: str, shard_id: int) -> str:
     return f"kvmem-shard-{namespace}-{shard_id}"
 
@@ -36,15 +51,7 @@ def start_shard_actor(
     actor = ray.remote(MemoryShard).options(
         name=shard_actor_name(namespace, shard_id),
         get_if_exists=True,
-        max_restarts=-1,
-        max_task_retries=-1,
-        # No head-of-line blocking: with in-order execution a call that never reaches the actor (Serve
-        # cancels a disconnected client's request, and Ray cancels the shard calls it made with it) left
-        # every later call of that replica waiting in PENDING_ACTOR_TASK_ORDERING_OR_CONCURRENCY for good
-        # (seen on the H200 after Locust runs). Nothing relies on the order: a replica awaits each call
-        # before one that depends on it, and the shard runs one call at a time either way.
-        allow_out_of_order_execution=True,
-        num_cpus=0,
+        **SHARD_ACTOR_OPTIONS,
         num_gpus=num_gpus,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
