@@ -1,7 +1,8 @@
 """ShardWatchdog (serve_app.shard_watchdog) against a real Ray actor that stops answering:
 probes report "unavailable" while the silence is shorter than restart_after_s, then the watchdog
 kills the actor with restart allowed, Ray starts a new process, and probes answer "ok" again;
-an actor that answers is never restarted."""
+an actor that answers is never restarted, nor one that has not answered since it started (a
+shard still loading)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,23 @@ def test_a_silent_shard_is_restarted_and_a_live_one_is_not(ray_session) -> None:
         assert watchdog.restarts == 1
 
     asyncio.run(run())
+
+
+def test_a_shard_that_never_answered_is_left_loading(ray_session) -> None:
+    import ray
+
+    actor = ray.remote(Wedgeable).options(max_restarts=-1, max_task_retries=0, num_cpus=0).remote()
+    actor.wedge.remote()  # busy from the first call on, as a shard rebuilding a large memory
+    watchdog = ShardWatchdog(ShardClient(actor, timeout_s=30), probe_timeout_s=0.3, restart_after_s=1.0)
+
+    async def run() -> list[str]:
+        states = []
+        started = time.monotonic()
+        while time.monotonic() - started < 3.0:  # three times restart_after_s
+            states.append(await watchdog.probe())
+        return states
+
+    states = asyncio.run(run())
+    assert states and all(s.startswith("unavailable") for s in states), states
+    assert watchdog.restarts == 0 and not watchdog.answered
+    ray.kill(actor)
