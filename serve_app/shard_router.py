@@ -8,7 +8,8 @@ and in each replica (a request forwarded to the shard that holds its user).
 The hint is the request's session id (`RequestMetadata.session_id`):
   * `shard:<n>` (set by a replica forwarding to shard n): only the replica of shard n takes it;
     while that replica is not up the request waits (Serve backs off and retries), because the
-    call it carries must run on that shard.
+    call it carries must run on that shard. A hint naming no shard of the service (n out of
+    range, which only a client could send) is ignored, so no header makes a request wait forever.
   * anything else is a user id, sent by the client in the `x-session-id` header (Serve's
     session header, RAY_SERVE_SESSION_ID_HEADER_KEY): the replica of that user's shard when
     the user is placed by the stable hash, else any replica, which forwards it (one hop more).
@@ -44,9 +45,14 @@ def wanted_shard(session_id: str, num_shards: int) -> tuple[int | None, bool]:
         return None, False
     if session_id.startswith(_SHARD_HINT):
         try:
-            return int(session_id[len(_SHARD_HINT):]), True
+            shard = int(session_id[len(_SHARD_HINT):])
         except ValueError:
             return None, False
+        # a hint naming no shard (a client can send any session id) goes anywhere instead of waiting
+        # forever; until the replicas have published the shard count, a hint waits for its replica
+        if shard < 0 or (num_shards > 0 and shard >= num_shards):
+            return None, False
+        return shard, True
     return (stable_shard(session_id, num_shards) if num_shards > 0 else None), False
 
 

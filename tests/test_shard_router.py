@@ -49,6 +49,10 @@ def test_wanted_shard_reads_hints_and_user_ids() -> None:
     assert wanted_shard("", 4) == (None, False)
     assert wanted_shard("shard:x", 4) == (None, False)
     assert wanted_shard("alice", 0) == (None, False)  # no replica published the shard count yet
+    assert wanted_shard(shard_hint(1), 0) == (1, True)  # ... while a forwarded call waits for its replica
+    # a client's header naming no shard must not make its request wait forever
+    assert wanted_shard(shard_hint(4), 4) == (None, False)
+    assert wanted_shard("shard:-1", 4) == (None, False)
 
 
 def test_shard_hint_goes_to_that_shard_only() -> None:
@@ -57,6 +61,7 @@ def test_shard_hint_goes_to_that_shard_only() -> None:
     assert _choose(replicas, shard_hint(0)) == [["a"]]
     # shard 1's replica is down or has not published its shard: the call waits, never lands on shard 0
     assert _choose([replicas[0], _replica("c", {})], shard_hint(1)) == []
+    assert _choose(replicas, shard_hint(7)) == [["a", "b"]]  # no such shard: anywhere, no wait
 
 
 def test_user_id_goes_to_its_stable_shard_else_anywhere() -> None:
