@@ -182,6 +182,9 @@ def test_streamed_chat_equals_the_whole_answer(served_app: str) -> None:
     assert set(ingress) == {"auth", "route", "replica_first_event", "ingress"}
     assert stages["replica_ttft"] < ingress["replica_first_event"] < ingress["ingress"]  # the replica's time is inside the ingress's
     assert set(whole["timings"]) == set(stages)
+    from memory.redis_keys import stable_shard
+
+    assert response.headers["X-KVMem-Route"] == f"router -> shard-{stable_shard('ines', 2)}"  # routing: router
 
 
 def test_concurrent_users_on_two_shards_only_ever_see_their_own_memory(served_app: str, redis_server) -> None:
