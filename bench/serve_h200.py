@@ -80,22 +80,33 @@ def prepare() -> None:
     print(f"wrote {STAGE}: model/ ({config['num_hidden_layers']} layers, vocab {config['vocab_size']}), locomo.json")
 
 
+def llama8b_dummy_overrides() -> dict[str, str]:
+    """The Llama-3.1-8B architecture with random weights and SmolLM2's vocabulary (see --prepare)."""
+    model = Path("/tmp/kvmem-llama8b")
+    shutil.copytree(STAGE / "model", model, dirs_exist_ok=True)
+    return {"KVMEM_ENGINE__MODEL": str(model), "KVMEM_ENGINE__LOAD_FORMAT": "dummy",
+            "KVMEM_SERVED_MODEL_NAME": "llama-3.1-8b-shape-dummy"}
+
+
 class ServiceUnderTest:
     """Redis + `serve run` of config.gpu.yaml and the floor applications, with the overrides."""
 
-    def __init__(self, out: Path, port: int = 8000) -> None:
+    def __init__(self, out: Path, port: int = 8000, *, overrides: dict[str, str] | None = None, floor_apps: bool = True) -> None:
         self.out = out
         self.url = f"http://127.0.0.1:{port}"
         self.admin_key = "kvm-bench-" + secrets.token_hex(16)
         self.process: subprocess.Popen | None = None
         self.redis: Any = None
+        self.overrides = llama8b_dummy_overrides() if overrides is None else overrides  # KVMEM_* of this run
+        self.floor_apps = floor_apps
 
     def config(self) -> Path:
         doc = yaml.safe_load((ROOT / "config.gpu.yaml").read_text())
-        doc["applications"] += [
-            {"name": "floor", "route_prefix": "/floor", "import_path": "bench.serve_floor:floor_chain"},
-            {"name": "floor_direct", "route_prefix": "/floor-direct", "import_path": "bench.serve_floor:floor_direct"},
-        ]
+        if self.floor_apps:
+            doc["applications"] += [
+                {"name": "floor", "route_prefix": "/floor", "import_path": "bench.serve_floor:floor_chain"},
+                {"name": "floor_direct", "route_prefix": "/floor-direct", "import_path": "bench.serve_floor:floor_direct"},
+            ]
         path = self.out / "serve_h200.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         return path
@@ -109,8 +120,6 @@ class ServiceUnderTest:
         from devtools.local_redis import LocalRedis
 
         self.redis = LocalRedis(Path("/tmp/kvmem-bench-redis"), own_session=True).start()
-        model = Path("/tmp/kvmem-llama8b")
-        shutil.copytree(STAGE / "model", model, dirs_exist_ok=True)
         site = Path("/tmp/site")
         env = dict(os.environ)
         env.update(
@@ -119,12 +128,10 @@ class ServiceUnderTest:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             VLLM_USE_FLASHINFER_SAMPLER="0",
-            KVMEM_ENGINE__MODEL=str(model),
-            KVMEM_ENGINE__LOAD_FORMAT="dummy",
-            KVMEM_SERVED_MODEL_NAME="llama-3.1-8b-shape-dummy",
             KVMEM_AUTH__ADMIN_KEY=self.admin_key,
             KVMEM_MEMORY__INDEX__CAGRA_MIN_VECTORS="256",  # a graph over the bench's few thousand facts
             PYTHONPATH=f"{site}:{ROOT}",
+            **self.overrides,
         )
         libs = [str(site / lib) for lib in CUVS_LIBS if (site / lib).is_dir()]
         if libs:  # cuVS's libraries; a staged nvJitLink (cuVS >= 26.8 needs >= 13.3) goes first

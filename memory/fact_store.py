@@ -206,6 +206,23 @@ class FactStore:
         rows = [self._from_hash(raw) for raw in pipe.execute() if raw and raw.get(b"deleted") != b"1"]
         return sorted(rows, key=lambda row: row[0].created_at)
 
+    def record_encoded_behind(self, fact_id: str, version: int, neighbours: Sequence[str]) -> None:
+        """The facts a fact's KV (of `version`) was encoded behind (memory.encode_neighbours), so a
+        restarted shard knows which KV to re-encode when one of them changes."""
+        self.r.hset(self._fact(fact_id), "encoded_behind", json.dumps([version, list(neighbours)]))
+
+    def encoded_behind(self, fact_ids: Sequence[str]) -> dict[str, tuple[int, tuple[str, ...]]]:
+        """fact id -> (version, neighbour ids) as recorded by record_encoded_behind."""
+        pipe = self.r.pipeline(transaction=False)
+        for fact_id in fact_ids:
+            pipe.hget(self._fact(fact_id), "encoded_behind")
+        out = {}
+        for fact_id, raw in zip(fact_ids, pipe.execute()):
+            if raw is not None:
+                version, neighbours = json.loads(raw)
+                out[fact_id] = (int(version), tuple(neighbours))
+        return out
+
     def get_all(self, user_id: str) -> list[FactRecord]:
         return [record for record, _ in self.all_with_embeddings(user_id)]
 

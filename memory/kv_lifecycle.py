@@ -53,6 +53,7 @@ class FactKV:
     attempts: int = 0  # failed encodes so far (engine deaths not counted)
     error: str | None = None  # why the last encode failed
     failed: bool = False  # gave up: served as text until the fact changes or the shard restarts
+    neighbours: tuple[str, ...] = ()  # the facts its live or in-flight KV was encoded behind
 
 
 EncodeOutcome = bool | str | None
@@ -60,9 +61,12 @@ EncodeOutcome = bool | str | None
 not run (the engine was unavailable), which does not count as an attempt."""
 
 
-def entry_tag(key: str, version: int) -> bytes:
-    """The arena tag of a fact's (or the prefix's) entry: 16 bytes naming key and version."""
-    return hashlib.blake2b(f"{key}:{version}".encode(), digest_size=16).digest()
+def entry_tag(key: str, version: int, neighbours: Collection[tuple[str, int]] = ()) -> bytes:
+    """The arena tag of a fact's (or the prefix's) entry: 16 bytes naming key, version and the
+    facts (id, version) it was encoded behind, so a restart adopts only KV encoded behind the
+    neighbours the fact has now."""
+    text = f"{key}:{version}" + "".join(f"|{n}:{v}" for n, v in neighbours)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,8 @@ class EncodeJob:
         return KVMemoryParams(capture=placement).to_kv_transfer_params()
 
 
-WindowOf = Callable[[FactKV], list[Turn]]  # the turns a fact is encoded behind
+WindowOf = Callable[[FactKV], list[Turn]]  # the conversation turns a fact is encoded behind
+NeighboursOf = Callable[[str, FactKV], list[tuple[str, str]]]  # the facts (id, text) it is encoded behind
 
 
 class FactKVLifecycle:
@@ -103,11 +108,15 @@ class FactKVLifecycle:
         context_tokens: int | None = None,
         max_attempts: int = 3,
         salt_of: Callable[[str], str] | None = None,
+        neighbours_of: NeighboursOf | None = None,
+        on_live: Callable[[str, FactKV], None] | None = None,
     ) -> None:
         self.arena = arena
         self.salt_of = salt_of  # user id -> prefix-cache salt of that user's encodes
         self.layout = layout
         self.window_of = window_of
+        self.neighbours_of = neighbours_of
+        self.on_live = on_live  # called as a fact's KV goes live (the shard records its neighbours)
         self.encode_timeout_s = encode_timeout_s
         self.name = name
         self.context_tokens = context_tokens  # the engine's context: encode prompts + 1 token fit in it
@@ -116,17 +125,24 @@ class FactKVLifecycle:
         self.queue: deque[str] = deque()
         self.in_flight: dict[str, EncodeJob] = {}
         self.lru: OrderedDict[str, None] = OrderedDict()  # facts with live KV, least recently used first
+        self.dependents: dict[str, set[str]] = {}  # fact id -> the facts encoded behind it (encode_neighbours)
         self.prefix = FactKV(user_id="", version=1, text=instruction, segment_ids=tuple(layout.prefix_ids))
         self.facts_encoded = 0
 
     # ------------------------------------------------------------------ start-up
-    def adopt_arena(self) -> dict[str, int]:
+    def adopt_arena(self, encoded_behind: Mapping[str, tuple[int, tuple[str, ...]]] | None = None) -> dict[str, int]:
         """Take over what a previous incarnation left in the arena (call after tracking every fact).
 
         LIVE entries whose tag and tokens match a tracked fact (or the prefix) become its KV; every
         other entry is released (a pinned one retires until its request ends, or until the next
-        engine's scheduler clears the pins of a dead one). Only facts left without KV stay queued."""
-        wanted = {entry_tag(key, state.version): (key, state) for key, state in self.facts.items()}
+        engine's scheduler clears the pins of a dead one). Only facts left without KV stay queued.
+        `encoded_behind` (fact id -> (version, neighbour ids), as recorded when its KV went live)
+        says which neighbours each entry's tag should name."""
+        for key, state in self.facts.items():
+            version, neighbours = (encoded_behind or {}).get(key, (state.version, ()))
+            if version == state.version and all(n in self.facts for n in neighbours):
+                self._set_neighbours(key, state, neighbours)
+        wanted = {self._tag(key, state): (key, state) for key, state in self.facts.items()}
         wanted[entry_tag(PREFIX_KEY, self.prefix.version)] = (PREFIX_KEY, self.prefix)
         adopted = released = 0
         for ref, tag, tokens in self.arena.live_entries():
@@ -153,6 +169,8 @@ class FactKVLifecycle:
     def track(self, record: FactRecord, urgent: bool = False) -> None:
         """Know a fact (new, or a new version of one) and queue its encoding (first when urgent:
         a caller waits for it, unlike the backlog of a restart)."""
+        if (old := self.facts.get(record.fact_id)) is not None:
+            self._set_neighbours(record.fact_id, old, ())
         self.facts[record.fact_id] = FactKV(
             user_id=record.user_id,
             version=record.version,
@@ -167,7 +185,8 @@ class FactKVLifecycle:
 
     def forget(self, fact_id: str) -> None:
         self.drop_kv(fact_id)
-        self.facts.pop(fact_id, None)
+        if (state := self.facts.pop(fact_id, None)) is not None:
+            self._set_neighbours(fact_id, state, ())
         try:
             self.queue.remove(fact_id)
         except ValueError:
@@ -182,6 +201,39 @@ class FactKVLifecycle:
             self.arena.release(state.ref)  # retires it if a request still pins it
             state.ref = None
             self.lru.pop(fact_id, None)
+
+    def reencode_dependents(self, fact_id: str) -> int:
+        """Facts encoded behind `fact_id` (a neighbour that was just updated or deleted) lose their
+        KV and are queued again, so no injected KV carries the old text; until then they are
+        prefilled as text. Returns how many."""
+        dependents = [key for key in self.dependents.pop(fact_id, ()) if key in self.facts and key != fact_id]
+        for key in dependents:
+            self.drop_kv(key)
+            state = self.facts[key]
+            self._set_neighbours(key, state, ())
+            state.encoding = None  # a capture in flight holds the old text: complete_jobs releases it
+            if key not in self.queue:
+                self.queue.append(key)
+        return len(dependents)
+
+    def _neighbours(self, key: str, state: FactKV) -> list[tuple[str, str]]:
+        if self.neighbours_of is None:
+            return []
+        return [(fact_id, text) for fact_id, text in self.neighbours_of(key, state) if fact_id != key and fact_id in self.facts]
+
+    def _tag(self, key: str, state: FactKV) -> bytes:
+        """The arena tag of the entry encoding `state` now: its key, version and neighbours."""
+        return entry_tag(key, state.version, [(n, self.facts[n].version) for n in state.neighbours])
+
+    def _set_neighbours(self, key: str, state: FactKV, neighbours: tuple[str, ...]) -> None:
+        for old in state.neighbours:
+            if (keys := self.dependents.get(old)) is not None:
+                keys.discard(key)
+                if not keys:
+                    del self.dependents[old]
+        state.neighbours = neighbours
+        for new in neighbours:
+            self.dependents.setdefault(new, set()).add(key)
 
     def use(self, fact_id: str) -> FactKV:
         """A fact a request is about to use: fresh in the LRU, or queued again if its KV is gone."""
@@ -211,7 +263,7 @@ class FactKVLifecycle:
                     self.queue.appendleft(key)  # first in the next batch
                     break
                 batch_tokens += len(tokens)
-                ref = self._allocate(tokens[start : start + length], start, entry_tag(key, state.version))
+                ref = self._allocate(tokens[start : start + length], start, self._tag(key, state))
             except ArenaFull as exc:
                 logger.warning("%s: %s; %s stays prefilled as text", self.name, exc, key)
                 self.queue.appendleft(key)
@@ -231,7 +283,9 @@ class FactKVLifecycle:
         if key == PREFIX_KEY:
             return list(self.prefix.segment_ids), 0, len(self.prefix.segment_ids)
         limit = None if self.context_tokens is None else self.context_tokens - 1  # one generated token
-        prompt = self.layout.encode_prompt(state.text, self.window_of(state), max_tokens=limit)
+        neighbours = self._neighbours(key, state)
+        prompt = self.layout.encode_prompt(state.text, self.window_of(state), limit, [text for _, text in neighbours])
+        self._set_neighbours(key, state, tuple(fact_id for fact_id, _ in neighbours))
         return prompt.token_ids, prompt.start, prompt.length
 
     def complete_jobs(self, outcomes: Mapping[str, EncodeOutcome]) -> int:
@@ -260,6 +314,8 @@ class FactKVLifecycle:
             if job.key != PREFIX_KEY:
                 self.lru[job.key] = None
                 self.facts_encoded += 1
+                if self.on_live is not None:
+                    self.on_live(job.key, state)
             live += 1
         return live
 

@@ -10,11 +10,16 @@ memory goes and split there. The prefix is the same for every request, so it is 
 once into the arena and injected too; the facts are injected; only the suffix (the user's
 messages and the generation prompt) is prefilled.
 
-Encode prompt of a fact: [prefix][window][bridge][fact], the window being the w conversation
-turns before the fact's source turn, trimmed (oldest turns first) so the prompt fits the engine's
-context, and the bridge (memory.window_bridge, after a non-empty window only) the text that
-hands back from the conversation to the fact list. The fact's KV is captured from this prompt (DESIGN §4: the kept
-slice is exactly what a prefill of [prefix; window; fact] produces for it).
+Encode prompt of a fact: [prefix][window][bridge][neighbours][fact], the window being the w
+conversation turns before the fact's source turn, the bridge (memory.window_bridge, after a
+non-empty window only) the text that hands back from the conversation to the fact list, and the
+neighbours (memory.encode_neighbours) the user's facts closest to this one, as fact segments, least
+similar first: at serving time a fact sits behind other facts of the list, and encoded behind its
+neighbours it is a later item of a list at encode time too, and has attended to the facts most
+likely retrieved with it (the offline half of FusionRAG). When the prompt does not fit the engine's
+context, the window is trimmed first (oldest turns first), then the neighbours (least similar first).
+The fact's KV is captured from this prompt (DESIGN §4: the kept slice is exactly what a prefill of
+[prefix; window; neighbours; fact] produces for it).
 
 The suffix starts with the memory closing (memory.memory_closing, e.g. a line that ends the
 fact list), prefilled in every mode right after the facts.
@@ -112,9 +117,12 @@ class PromptLayout:
         lines = "".join(f"{t.speaker}: {t.text.strip()}\n" for t in turns)
         return self._encode(f"(conversation) {lines}")
 
-    def encode_prompt(self, fact_text: str, window: Sequence[Turn], max_tokens: int | None = None) -> EncodePrompt:
-        """[prefix][window][fact]; with max_tokens, the window is trimmed until the prompt fits
-        (_fitted_window). Raises ValueError when [prefix][fact] alone does not fit."""
+    def encode_prompt(
+        self, fact_text: str, window: Sequence[Turn], max_tokens: int | None = None, neighbours: Sequence[str] = ()
+    ) -> EncodePrompt:
+        """[prefix][window][bridge][neighbours][fact]; with max_tokens, the neighbours are dropped
+        (least similar first) until [prefix][neighbours][fact] fits, then the window is trimmed into
+        the room left (_fitted_window). Raises ValueError when [prefix][fact] alone does not fit."""
         fact = self.fact_ids(fact_text)
         room = None if max_tokens is None else max_tokens - len(self.prefix_ids) - len(fact)
         if room is not None and room < 0:
@@ -122,11 +130,17 @@ class PromptLayout:
                 f"the encode prompt of a {len(fact)}-token fact behind the {len(self.prefix_ids)}-token prefix "
                 f"exceeds {max_tokens} tokens"
             )
+        segments = [self.fact_ids(text) for text in neighbours]
+        while room is not None and segments and sum(map(len, segments)) > room:
+            segments.pop(0)
+        neighbour_ids = [token for segment in segments for token in segment]
+        if room is not None:
+            room -= len(neighbour_ids)
         bridge = self.bridge_ids if window else []
         if room is not None and room < len(bridge):
             bridge = []
         window_ids = self._fitted_window(window, None if room is None else room - len(bridge))
-        head = self.prefix_ids + window_ids + (bridge if window_ids else [])
+        head = self.prefix_ids + window_ids + (bridge if window_ids else []) + neighbour_ids
         return EncodePrompt(token_ids=head + fact, start=len(head), length=len(fact))
 
     def _fitted_window(self, window: Sequence[Turn], room: int | None) -> list[int]:

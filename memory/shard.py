@@ -97,6 +97,8 @@ class MemoryShard:
             self.layout,
             settings.instruction,
             window_of=self._window_of,
+            neighbours_of=self._neighbours_of if settings.encode_neighbours else None,
+            on_live=self._record_encoded_behind,
             encode_timeout_s=settings.encode_timeout_s,
             name=f"shard {shard_id}",
             context_tokens=settings.encode_context_tokens,
@@ -104,6 +106,7 @@ class MemoryShard:
             salt_of=lambda user_id: scope_cache_salt(f"{settings.redis_prefix}:{user_id}"),
         )
         self.facts: dict[str, FactKV] = self.kv.facts  # fact id -> its KV state (the same dict)
+        self._vectors: dict[str, np.ndarray] = {}  # fact id -> embedding, with memory.encode_neighbours only
         self._rebuild()
 
     # ================================================================== start-up
@@ -116,10 +119,11 @@ class MemoryShard:
             if not rows:
                 continue
             self.index.add([r.fact_id for r, _ in rows], [user_id] * len(rows), np.stack([e for _, e in rows]))
-            for record, _ in rows:
+            for record, embedding in rows:
                 self.kv.track(record)
+                self._remember_vector(record.fact_id, embedding)
             n += len(rows)
-        arena = self.kv.adopt_arena()
+        arena = self.kv.adopt_arena(self.store.encoded_behind(list(self.facts)))
         logger.info(
             "shard %d rebuilt %d facts of %d users from Redis in %.2fs; arena: %s",
             self.shard_id, n, len(users), time.perf_counter() - start, arena,
@@ -127,6 +131,30 @@ class MemoryShard:
 
     def _window_of(self, state: FactKV) -> list[Turn]:
         return self.store.window_before(state.user_id, state.source_id, self.settings.window_turns)
+
+    def _record_encoded_behind(self, fact_id: str, state: FactKV) -> None:
+        if not (state.neighbours or self.settings.encode_neighbours):
+            return
+        try:
+            self.store.record_encoded_behind(fact_id, state.version, state.neighbours)
+        except Exception as exc:  # lost, a restart re-encodes this fact instead of adopting its KV
+            logger.warning("shard %d: could not record what %s was encoded behind: %s", self.shard_id, fact_id, exc)
+
+    def _remember_vector(self, fact_id: str, embedding: np.ndarray) -> None:
+        if self.settings.encode_neighbours:  # kept only for finding a fact's neighbours (1.5 KiB per fact)
+            self._vectors[fact_id] = embedding
+
+    def _neighbours_of(self, fact_id: str, state: FactKV) -> list[tuple[str, str]]:
+        """The user's facts closest to this one (memory.encode_neighbours), least similar first."""
+        n = self.settings.encode_neighbours
+        vector = self._vectors.get(fact_id)
+        (hits,) = self.index.search(state.user_id, self.embedder.embed([state.text])[0] if vector is None else vector, n + 1)
+        neighbours = [
+            (hit.fact_id, other.text)
+            for hit in hits
+            if hit.fact_id != fact_id and (other := self.facts.get(hit.fact_id)) is not None and other.user_id == state.user_id
+        ][:n]
+        return neighbours[::-1]  # the closest right before the fact
 
     # ================================================================== identity
     def arena_path(self) -> str:
@@ -164,6 +192,7 @@ class MemoryShard:
             record, created = self.store.add(user_id, fact, embedding)
             if created or record.fact_id not in self.facts:
                 self.index.add([record.fact_id], [user_id], embedding[None, :])
+                self._remember_vector(record.fact_id, embedding)
                 self.kv.track(record, urgent=True)
             results.append({"id": record.fact_id, "memory": record.text, "event": "ADD" if created else "NONE"})
         return results
@@ -174,7 +203,9 @@ class MemoryShard:
         record = self.store.update(fact_id, user_id, text, embedding)
         self.kv.drop_kv(fact_id)
         self.index.add([fact_id], [user_id], embedding[None, :])
+        self._remember_vector(fact_id, embedding)
         self.kv.track(record, urgent=True)
+        self.kv.reencode_dependents(fact_id)
         return record
 
     def delete(self, fact_id: str, user_id: str) -> FactRecord:
@@ -190,7 +221,9 @@ class MemoryShard:
         return len(ids)
 
     def _forget(self, fact_id: str) -> None:
+        self._vectors.pop(fact_id, None)
         self.kv.forget(fact_id)
+        self.kv.reencode_dependents(fact_id)
         self.index.remove([fact_id])
 
     # ================================================================== reads

@@ -32,9 +32,10 @@ pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the name of my dog?"}]
 
 
-def shard_settings(window_turns: int) -> MemorySettings:
+def shard_settings(window_turns: int, encode_neighbours: int = 0) -> MemorySettings:
     return MemorySettings(
         window_turns=window_turns,
+        encode_neighbours=encode_neighbours,
         redis_prefix=f"t{uuid.uuid4().hex[:8]}",
         arena_dir=tempfile.mkdtemp(prefix="kvmem-shard-", dir="/dev/shm" if Path("/dev/shm").exists() else None),
         arena=ArenaCapacity(num_pages=1024, max_entries=512),
@@ -54,9 +55,10 @@ def run_plan(llm, plan, max_tokens: int = 16, logprobs: int | None = None):
 class Memory:
     """A shard and an engine over its arena."""
 
-    def __init__(self, engine_factory, smollm2_dir: Path, redis_url: str, window_turns: int = 0) -> None:
-        self.settings = shard_settings(window_turns)
-        self.shard = MemoryShard(0, self.settings, str(smollm2_dir), "float32", redis_url, namespace=uuid.uuid4().hex[:8])
+    def __init__(self, engine_factory, smollm2_dir: Path, redis_url: str, window_turns: int = 0, encode_neighbours: int = 0) -> None:
+        self.settings = shard_settings(window_turns, encode_neighbours)
+        self.namespace, self.redis_url, self.model_dir = uuid.uuid4().hex[:8], redis_url, smollm2_dir
+        self.shard = MemoryShard(0, self.settings, str(smollm2_dir), "float32", redis_url, namespace=self.namespace)
         self.llm = engine_factory.offline(smollm2_dir, kv_transfer_config=kv_transfer_config(self.shard.arena_path()))
         self.driver = EncodeDriver(ShardClient.in_process(self.shard), self.llm)
 

@@ -81,3 +81,20 @@ def test_window_bridge_and_memory_closing_go_where_the_settings_say(layout: Prom
     messages = [{"role": "user", "content": "Where do I live?"}]
     assert framed.tokenizer.decode(framed.suffix_ids(messages)).startswith("\nUse them.")
     assert not layout.tokenizer.decode(layout.suffix_ids(messages)).startswith("\nUse them.")
+
+
+def test_neighbours_sit_between_window_and_fact_and_are_dropped_before_the_fact(layout: PromptLayout) -> None:
+    """memory.encode_neighbours: [prefix][window][neighbours][fact], least similar neighbour first;
+    when the context is short, the window goes first, then the least similar neighbours."""
+    window = [Turn(turn_id="D1:1", speaker="Ann", text="I got a kitten!", order=0)]
+    neighbours = ["Ann lives in Oslo.", "Ann likes cats."]
+    prompt = layout.encode_prompt("Ann has a cat.", window, neighbours=neighbours)
+    fact = layout.fact_ids("Ann has a cat.")
+    listed = layout.fact_ids(neighbours[0]) + layout.fact_ids(neighbours[1])
+    assert prompt.token_ids[prompt.start - len(listed) : prompt.start] == listed
+    assert prompt.token_ids[prompt.start :] == fact
+    assert "Ann: I got a kitten!" in layout.tokenizer.decode(prompt.token_ids[len(layout.prefix_ids) : prompt.start - len(listed)])
+    # room for the prefix, the fact and the closest neighbour only: no window, one neighbour
+    tight = len(layout.prefix_ids) + len(fact) + len(layout.fact_ids(neighbours[1]))
+    fitted = layout.encode_prompt("Ann has a cat.", window, max_tokens=tight, neighbours=neighbours)
+    assert fitted.token_ids == layout.prefix_ids + layout.fact_ids(neighbours[1]) + fact
