@@ -52,7 +52,7 @@ from bench.locomo_scoring import (
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LOCOMO = ROOT.parent / "shared" / "data" / "locomo" / "locomo8.json"
-MODES = ("kv", "prompt", "none")
+MODES = ("kv", "prompt", "none", "full")
 HEADLINE = {"k": 10, "window": 5}
 RUN_KEY = ("k", "window", "neighbours", "model", "conversations", "run_tag", "extract", "max_turns", "max_questions", "max_tokens")
 
@@ -255,7 +255,7 @@ def summarize(questions: list[dict[str, Any]], answers: dict[str, list[dict[str,
     out["list_item_share"] = {m: category_means((c, float(starts_like_list(a["answer"]))) for c, a in zip(cats, rows))
                               for m, rows in answers.items()}
     out["evidence_recall"] = {m: category_means((c, a["recall"]) for c, a in zip(cats, rows))
-                              for m, rows in answers.items() if m != "none"}
+                              for m, rows in answers.items() if m not in ("none", "full")}  # full: no retrieval
     out["ttft_ms"] = {}
     for m, rows in answers.items():
         ttfts = [a["ttft_s"] for a in rows if a["ttft_s"] is not None]
@@ -341,7 +341,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[10], help="top_k; several values: one run each")
     parser.add_argument("--window", type=int, required=True, help="the service's memory.window_turns (recorded)")
     parser.add_argument("--neighbours", type=int, default=None, help="the service's memory.encode_neighbours (recorded)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:3]))
     parser.add_argument("--repair-m", type=int, nargs="*", default=[],
                         help="also ask in mode kv with memory.prefill_top_m = m, one run per m (reported as kv+m<m>)")
     parser.add_argument("--max-tokens", type=int, default=32)

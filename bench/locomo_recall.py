@@ -2,10 +2,11 @@
 CPU search latency for a 2,000-fact user.
 
     .venv/bin/python -m bench.locomo_recall            # writes bench/results/locomo_recall.json
+    .venv/bin/python -m bench.locomo_recall --model DIR --out FILE   # another sentence-transformers folder
 
 Memory: every conversation is one user; its memory is the conversation's `observation` facts
 (Mem0-style facts per session and speaker, each with the dialogue turn(s) it came from),
-embedded with all-MiniLM-L6-v2 and held in an ExactIndex (CPU, torch).
+embedded with all-MiniLM-L6-v2 (or --model) and held in an ExactIndex (CPU, torch).
 
 Questions: every QA item with category != 5 (5 = adversarial, no answer in the dialogue),
 embedded the same way and searched in its own conversation's memory only.
@@ -204,7 +205,7 @@ def main() -> None:
                 ts.append(time.perf_counter() - t)
             latency[f"threads{threads}_k{k}"] = percentiles(ts)
     torch.set_num_threads(threads0)
-    # Query embedding, for scale (one question at a time, MiniLM on the CPU).
+    # Query embedding, for scale (one question at a time, the embedding model on the CPU).
     ts = []
     for _, q in questions[:5]:
         embedder.embed(q["text"])
@@ -212,12 +213,15 @@ def main() -> None:
         t = time.perf_counter()
         embedder.embed(q["text"])
         ts.append(time.perf_counter() - t)
-    latency["query_embedding_minilm_cpu"] = percentiles(ts)
+    latency["query_embedding_cpu"] = percentiles(ts)
+    model_name = "all-MiniLM-L6-v2" if args.model is None else embedder.model_path.name
 
     result = {
         "command": "python -m bench.locomo_recall " + " ".join(sys.argv[1:]),
         "data": str(args.locomo),
-        "model": str(embedder.model_path.name),
+        "model": model_name,
+        "model_path": str(embedder.model_path),
+        "embedding_dim": embedder.dim,
         "conversations": len(convs),
         "facts": len(facts),
         "questions": len(questions),
@@ -258,8 +262,8 @@ def main() -> None:
         for k in (10, 50):
             v = latency[f"threads{threads}_k{k}"]
             print(f"| {threads} | {k} | {v['p50_ms']:.3f} | {v['p95_ms']:.3f} |")
-    v = latency["query_embedding_minilm_cpu"]
-    print(f"(query embedding, MiniLM on CPU: p50 {v['p50_ms']:.1f} ms)")
+    v = latency["query_embedding_cpu"]
+    print(f"(query embedding, {model_name} on CPU: p50 {v['p50_ms']:.1f} ms)")
     print(f"data quirks: {quirks}")
     print(f"wrote {args.out}")
 

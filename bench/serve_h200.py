@@ -194,7 +194,7 @@ def _running_service() -> dict[str, Any] | None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from bench import serve_parts
+    from bench import peer_parts, serve_parts
 
     deadline = time.monotonic() + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> None:
                                       locust_users=tuple(int(u) for u in args.locust_users.split(",")),
                                       locust_seconds=args.locust_seconds, routing=service.routing())
         for name in filter(None, args.parts.split(",")):
-            part = serve_parts.PARTS[name]
+            part = {**serve_parts.PARTS, **peer_parts.PARTS}[name]
             if deadline - time.monotonic() < part.needs_s:
                 result["parts_skipped"].append(name)
                 print(f"[serve_h200] skipping {name}: {deadline - time.monotonic():.0f} s left", flush=True)
@@ -243,7 +243,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/serve-out"))
     parser.add_argument("--budget-s", type=float, default=560.0, help="stop starting parts after this many seconds")
     parser.add_argument("--rounds", type=int, default=30, help="TTFT requests per (mode, k) cell")
-    parser.add_argument("--parts", default="embedder,examples,ttft,floor,ingest,locust,diagnose", help="comma-separated; '' to only start")
+    parser.add_argument("--parts", default="embedder,examples,ttft,floor,ingest,locust,diagnose",
+                        help="comma-separated; '' to only start; `peer` (bench/peer_parts.py, with KVMEM_ENGINE__MAX_MODEL_LEN=131072) is not in the default")
     parser.add_argument("--locust-users", default="10,25,50,100", help="concurrent Locust users, one run per mode each")
     parser.add_argument("--locust-seconds", type=int, default=15)
     parser.add_argument("--keep-running", action="store_true", help="leave the service up for a later call")

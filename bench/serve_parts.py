@@ -95,6 +95,7 @@ def stream_once(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[s
         "content_ms": (first_content - started) * 1e3 if first_content is not None else None,
         "stages": {**(last.get("timings") or {}), **{f"ingress_{k}": v for k, v in ingress.items()}},
         "cached_tokens": (last.get("usage") or {}).get("prompt_tokens_details", {}).get("cached_tokens"),
+        "prompt_tokens": (last.get("usage") or {}).get("prompt_tokens"),
         "injected_tokens": (last.get("memory") or {}).get("injected_tokens"),
     }
 

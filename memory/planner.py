@@ -3,7 +3,9 @@
 A plan is [instruction prefix][facts, least relevant first][conversation + generation prompt]
 (memory.composition). In mode "kv" the facts with live KV (and the prefix) are injected by the
 connector and the rest are prefilled as text right after them; mode "prompt" prefills the same
-token ids (Mem0-style prompt injection); mode "none" is the plain conversation. No Ray, no vLLM.
+token ids (Mem0-style prompt injection); mode "full" prefills every fact of the user, oldest
+first, with no retrieval (a prefix that stays the same across the user's requests, so vLLM's
+prefix cache computes it once); mode "none" is the plain conversation. No Ray, no vLLM.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class ChatPlan:
     """A memory-conditioned prompt: token ids, and what to hand the engine for KV injection."""
 
     prompt_token_ids: list[int]
-    mode: str  # "kv" | "prompt" | "none"
+    mode: str  # "kv" | "prompt" | "full" | "none"
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
     facts: list[MemoryHit] = field(default_factory=list)
@@ -60,7 +62,8 @@ def plan_chat(
     max_prompt_tokens: int | None = None,
     prefill_top_m: int = 0,
 ) -> ChatPlan:
-    """The plan for `messages` conditioned on `hits` (most relevant first); see the module docstring.
+    """The plan for `messages` conditioned on `hits` (most relevant first; mode full: every fact,
+    oldest first); see the module docstring.
 
     max_prompt_tokens: the least relevant facts are left out until the prompt fits (the caller
     rejects a conversation that does not fit even without memory). salt_namespace names the
@@ -74,13 +77,18 @@ def plan_chat(
     suffix = layout.suffix_ids(messages)
     if max_prompt_tokens is not None:
         hits = fit_to_context(hits, kv, max_prompt_tokens - len(layout.prefix_ids) - len(suffix))
-    ordered = list(reversed(hits))  # least relevant first, most relevant next to the query
-    if mode == "prompt" or kv.prefix.ref is None:
+    # least relevant first, most relevant next to the query; mode full: as given (oldest first, so
+    # the facts that fit are the oldest and a new fact only extends the cached prefix)
+    ordered = list(hits) if mode == "full" else list(reversed(hits))
+    if mode in ("prompt", "full") or kv.prefix.ref is None:
         tokens = list(layout.prefix_ids)
         for hit in ordered:  # each fact's token ids, tokenized once when it was stored (the kv path's own)
             tokens += kv.facts[hit.fact_id].segment_ids
         return ChatPlan(
-            prompt_token_ids=tokens + suffix, mode="prompt", facts=hits, cache_salt=scope_cache_salt(salt_namespace)
+            prompt_token_ids=tokens + suffix,
+            mode="full" if mode == "full" else "prompt",
+            facts=[] if mode == "full" else hits,  # full: nothing retrieved (ids of the whole memory stay home)
+            cache_salt=scope_cache_salt(salt_namespace),
         )
     segments = [StoredSegment(kv.prefix.ref, kv.prefix.segment_ids)]
     pending: list[int] = []

@@ -273,7 +273,9 @@ class MemoryShard:
         the plan's `timings` say where the shard's time went (ms: embed, search, compose)."""
         timings: dict[str, float] = {}
         hits: list[MemoryHit] = []
-        if mode != "none":
+        if mode == "full":  # every fact of the user, oldest first (self.facts keeps the order they were tracked in)
+            hits = [MemoryHit(key, state.text, 0.0, state.source_id) for key, state in self.facts.items() if state.user_id == user_id]
+        elif mode != "none":
             k = self.settings.top_k if k is None else k
             query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
             hits = self.search(user_id, query, k, timings) if query else []

@@ -52,6 +52,8 @@ def prepare_environment(settings: EngineSettings) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not shipped to GPUs here
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if settings.multiprocess else "0"
+    if settings.batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"  # vllm.envs reads it when used; the engine core subprocess inherits it
     if is_cpu_platform():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kv_cache_space_gib))
         if not settings.multiprocess:

@@ -102,8 +102,11 @@ class MemoryOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    mode: Literal["kv", "prompt", "none"] = Field(
-        "kv", description="kv: inject the facts' stored KV; prompt: prefill the same facts as text; none: no memory."
+    mode: Literal["kv", "prompt", "none", "full"] = Field(
+        "kv",
+        description="kv: inject the facts' stored KV; prompt: prefill the same facts as text; none: no memory; full: "
+        "every fact of the user as text, oldest first, no retrieval (a fixed prefix that vLLM's prefix cache reuses "
+        "across the user's requests: the peer that retrieval is measured against; the oldest that fit the context).",
     )
     top_k: int | None = Field(None, ge=0, le=200, description="Facts to retrieve; default from the service settings.")
     prefill_top_m: int | None = Field(

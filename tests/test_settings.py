@@ -112,3 +112,23 @@ def test_engine_kwargs_carry_stream_interval_and_load_format_only_when_set() -> 
     assert "stream_interval" not in plain and "load_format" not in plain
     gpu = engine_kwargs(EngineSettings(dtype="bfloat16", stream_interval=8, load_format="dummy"), "/m")
     assert gpu["stream_interval"] == 8 and gpu["load_format"] == "dummy" and gpu["dtype"] == "bfloat16"
+
+
+def test_batch_invariant_sets_vllms_switch_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.batch_invariant: VLLM_BATCH_INVARIANT=1 in the environment the engine (and its core
+    subprocess) starts with; off by default."""
+    import os
+
+    from serve_app.engine import prepare_environment
+    from serve_app.settings import EngineSettings
+
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):  # what it sets, restored afterwards
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    prepare_environment(EngineSettings(dtype="float32"))
+    assert "VLLM_BATCH_INVARIANT" not in os.environ
+    prepare_environment(EngineSettings(dtype="float32", batch_invariant=True))
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
+    from vllm import envs
+
+    assert envs.VLLM_BATCH_INVARIANT

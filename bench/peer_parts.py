@@ -1,0 +1,99 @@
+"""The natural alternative as a peer (issue 11): a user's whole memory as a fixed prompt prefix that
+vLLM's prefix cache keeps (memory mode `full`), against retrieval + KV injection (mode `kv`) and
+retrieval + prompt injection (mode `prompt`), as the user's memory grows.
+
+Part `peer` of bench/serve_h200.py, against the running service. For each memory size N (facts
+of one user: LoCoMo's observation facts, cycled with a numbered suffix past the data's own):
+- seed the user (adds of 64 facts, waiting for their KV);
+- TTFT: `rounds` streamed requests per mode, one at a time, a different LoCoMo question each
+  (the first `full` request of a size is the cold one, reported apart: it prefills the memory);
+  time to the first streamed event through HTTP, the engine's TTFT and the cached prompt tokens;
+- QPS: `clients` closed-loop clients for `seconds` per mode, 50 output tokens.
+`full` keeps the oldest facts that fit the engine's context (engine.max_model_len), reported as
+`full_prompt_tokens`. k = 10 for kv and prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from bench.serve_parts import Context, Part, _seed, median, stream_once
+
+SIZES = (100, 500, 1000, 5000)
+PEER_MODES = ("kv", "prompt", "full")
+TOP_K = 10
+
+
+def _facts(ctx: Context, n: int) -> list[str]:
+    from bench.locomo_qa import load_conversations
+
+    pool = [f for conv in load_conversations(ctx.locomo, None, "peer", None, None) for facts in conv.facts_by_turn.values() for f in facts]
+    return [pool[i % len(pool)] if i < len(pool) else f"{pool[i % len(pool)]} (note {i // len(pool)})" for i in range(n)]
+
+
+def _questions(ctx: Context) -> list[str]:
+    from bench.locomo_qa import load_conversations
+
+    return [q["question"] for conv in load_conversations(ctx.locomo, None, "peer", None, None) for q in conv.questions]
+
+
+def _body(user: str, mode: str, question: str, max_tokens: int) -> dict[str, Any]:
+    return {"user": user, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "memory": {"mode": mode, "top_k": TOP_K}}
+
+
+def _qps(ctx: Context, user: str, mode: str, questions: list[str], clients: int, seconds: float) -> dict[str, Any]:
+    """Closed loop: `clients` threads each send the next request when the last one finished."""
+    stop_at = time.monotonic() + seconds
+    ttfts: list[float] = []
+
+    def loop(index: int) -> int:
+        done = 0
+        with ctx.client() as client:
+            while time.monotonic() < stop_at:
+                sample = stream_once(client, "/v1/chat/completions", _body(user, mode, questions[(index * 97 + done) % len(questions)], 50))
+                ttfts.append(sample["http_ms"])
+                done += 1
+        return done
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(clients) as pool:
+        completed = sum(pool.map(loop, range(clients)))
+    elapsed = time.monotonic() - started
+    ttfts.sort()
+    return {"qps": round(completed / elapsed, 2), "requests": completed,
+            "ttft_p50_ms": median(ttfts), "ttft_p99_ms": round(ttfts[int(0.99 * (len(ttfts) - 1))], 2) if ttfts else None}
+
+
+def peer(ctx: Context, sizes: tuple[int, ...] = SIZES, clients: int = 32, seconds: float = 10.0) -> dict[str, Any]:
+    questions = _questions(ctx)
+    out: dict[str, Any] = {}
+    for n in sizes:
+        if ctx.deadline - time.monotonic() < 60:
+            out[str(n)] = "skipped: out of time"
+            continue
+        user = f"bench-peer-{n}"
+        row: dict[str, Any] = {}
+        with ctx.client(timeout_s=600) as client:
+            row["facts"] = _seed(client, user, _facts(ctx, n))
+            cold = stream_once(client, "/v1/chat/completions", _body(user, "full", questions[0], 1))
+            row["full_cold"] = {"http_ms": cold["http_ms"], "engine_ms": cold["stages"].get("engine_ttft")}
+            samples: dict[str, list[dict[str, Any]]] = {mode: [] for mode in PEER_MODES}
+            for r in range(ctx.rounds):
+                for mode in PEER_MODES:
+                    samples[mode].append(stream_once(client, "/v1/chat/completions", _body(user, mode, questions[1 + r], 1)))
+        for mode, rows in samples.items():
+            row[mode] = {"http_ttft_ms": median([s["http_ms"] for s in rows]),
+                         "engine_ttft_ms": median([s["stages"]["engine_ttft"] for s in rows if "engine_ttft" in s["stages"]]),
+                         "cached_tokens": median([s["cached_tokens"] or 0 for s in rows]),
+                         "prompt_tokens": median([s["prompt_tokens"] or 0 for s in rows])}
+        for mode in PEER_MODES:
+            row[mode].update(_qps(ctx, user, mode, questions, clients, seconds))
+        out[str(n)] = row
+        print(f"[peer] {n} facts: " + ", ".join(f"{m} {row[m]['http_ttft_ms']} ms / {row[m]['qps']} QPS" for m in PEER_MODES), flush=True)
+    return {"prefix_cache_peer": {"top_k": TOP_K, "clients": clients, "seconds": seconds, "sizes": out}}
+
+
+PARTS = {"peer": Part(peer, 120)}
