@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> None:
         command = [
             sys.executable, "-m", "bench.locomo_qa", "--url", service.url, "--api-key", service.admin_key,
             "--locomo", str(STAGE / "locomo8.json"), "--window", str(args.window), "--k", *map(str, args.k),
-            "--repair-m", *map(str, args.repair_m), "--concurrency", str(args.concurrency), "--max-tokens", "32",
+            "--modes", *args.modes, "--repair-m", *map(str, args.repair_m), "--concurrency", str(args.concurrency), "--max-tokens", "32",
             "--neighbours", str(args.neighbours), "--run-tag", f"h200-w{args.window}-n{args.neighbours}", "--out", str(args.out / "locomo_qa.json"),
             "--plot", str(args.out / "locomo_qa.png"), "--answers", str(args.out / "answers.jsonl"),
         ]
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--neighbours", type=int, default=6, help="memory.encode_neighbours of the service")
     parser.add_argument("--k", type=int, nargs="+", default=[10, 5, 20, 50])
     parser.add_argument("--repair-m", type=int, nargs="*", default=[1, 2, 5])
+    parser.add_argument("--modes", nargs="+", default=["kv", "prompt", "none"], help="memory modes (add `full`: the prefix-cache peer)")
     parser.add_argument("--concurrency", type=int, default=32)
     args = parser.parse_args()
     if args.wheels:

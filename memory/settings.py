@@ -33,7 +33,8 @@ class MemorySettings(BaseModel):
         "(memory.prompting): it becomes a later item of a fact list at encode time, as at serving time, and attends "
         "to the facts most likely retrieved with it. Updating or deleting a fact re-encodes the facts encoded behind it. "
         "0 encodes each fact alone (behind its window only): on LoCoMo that left 73% of KV answers starting like a "
-        "list item; 6 brings it to 0.3% (docs/quality.md).",
+        "list item; 6 brings it to 0.3% (docs/quality.md). Each one lengthens every encode prompt by a fact: the CPU "
+        "config.yaml uses 3.",
     )
     top_k: int = Field(10, ge=0, description="Facts retrieved per chat request unless the request says otherwise.")
     reconcile: bool = Field(

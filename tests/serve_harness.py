@@ -32,6 +32,7 @@ def small_service_args(redis_url: str, model_dir: Path, namespace: str, arena_di
         "namespace": namespace,
         "memory": {
             "window_turns": 2,
+            "encode_neighbours": 2,  # short encode prompts, like the window: 2 CPU cores serve every test
             "arena_dir": arena_dir,
             "redis_prefix": f"kvmem-{namespace}",
             "index": {"backend": "exact", "device": "cpu"},
