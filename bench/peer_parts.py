@@ -15,11 +15,12 @@ of one user: LoCoMo's observation facts, cycled with a numbered suffix past the 
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bench.serve_parts import Context, Part, _seed, median, stream_once
+from bench.serve_parts import Context, Part, median, seed_user, stream_once
 
 SIZES = (100, 500, 1000, 5000)
 PEER_MODES = ("kv", "prompt", "full")
@@ -64,7 +65,7 @@ def _qps(ctx: Context, user: str, mode: str, questions: list[str], clients: int,
     elapsed = time.monotonic() - started
     ttfts.sort()
     return {"qps": round(completed / elapsed, 2), "requests": completed,
-            "ttft_p50_ms": median(ttfts), "ttft_p99_ms": round(ttfts[int(0.99 * (len(ttfts) - 1))], 2) if ttfts else None}
+            "ttft_p50_ms": median(ttfts), "ttft_p99_ms": round(ttfts[min(len(ttfts), math.ceil(0.99 * len(ttfts))) - 1], 2) if ttfts else None}
 
 
 def peer(ctx: Context, sizes: tuple[int, ...] = SIZES, clients: int = 32, seconds: float = 10.0) -> dict[str, Any]:
@@ -77,7 +78,7 @@ def peer(ctx: Context, sizes: tuple[int, ...] = SIZES, clients: int = 32, second
         user = f"bench-peer-{n}"
         row: dict[str, Any] = {}
         with ctx.client(timeout_s=600) as client:
-            row["facts"] = _seed(client, user, _facts(ctx, n))
+            row["facts"] = seed_user(client, user, _facts(ctx, n))
             cold = stream_once(client, "/v1/chat/completions", _body(user, "full", questions[0], 1))
             row["full_cold"] = {"http_ms": cold["http_ms"], "engine_ms": cold["stages"].get("engine_ttft")}
             samples: dict[str, list[dict[str, Any]]] = {mode: [] for mode in PEER_MODES}

@@ -100,7 +100,7 @@ def stream_once(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[s
     }
 
 
-def _seed(client: httpx.Client, user: str, facts: list[str]) -> int:
+def seed_user(client: httpx.Client, user: str, facts: list[str]) -> int:
     added = 0
     for i in range(0, len(facts), 64):
         response = client.post("/v1/memories", json={"user_id": user, "facts": facts[i:i + 64], "wait_for_kv": True})
@@ -140,7 +140,7 @@ def ttft(ctx: Context) -> dict[str, Any]:
     cells = [(mode, k) for mode in MODES for k in KS]
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
     with ctx.client() as client:
-        seeded = _seed(client, TTFT_USER, facts)
+        seeded = seed_user(client, TTFT_USER, facts)
         for round_index in range(ctx.rounds + 3):  # 3 warm-up rounds
             question = questions[round_index % len(questions)]
             rng.shuffle(cells)
@@ -190,7 +190,7 @@ def locust(ctx: Context) -> dict[str, Any]:
     pool = user_pool(LOCUST_POOL)  # 40 users x 55 facts: the arena holds them all (2 pages a fact)
     with ctx.client() as client:
         for user in pool:
-            _seed(client, user, memory_facts(user, 55))
+            seed_user(client, user, memory_facts(user, 55))
     qps: dict[str, dict[str, float]] = {}
     latency: dict[str, dict[str, dict[str, float]]] = {}
     seconds = ctx.locust_seconds
