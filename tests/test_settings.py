@@ -129,6 +129,5 @@ def test_batch_invariant_sets_vllms_switch_only_when_asked(monkeypatch: pytest.M
     assert "VLLM_BATCH_INVARIANT" not in os.environ
     prepare_environment(EngineSettings(dtype="float32", batch_invariant=True))
     assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
-    from vllm import envs
-
-    assert envs.VLLM_BATCH_INVARIANT
+    # (not read back through vllm.envs here: vLLM caches what it read, and every later in-process
+    # engine of this pytest process would then run batch-invariant kernels, which CPUs lack)
