@@ -122,11 +122,13 @@ def test_batch_invariant_sets_vllms_switch_only_when_asked(monkeypatch: pytest.M
     from serve_app.engine import prepare_environment
     from serve_app.settings import EngineSettings
 
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    # setenv (not delenv, which records nothing for an absent name) so that monkeypatch removes
+    # what prepare_environment sets: a leaked VLLM_BATCH_INVARIANT=1 breaks every later CPU engine
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):  # what it sets, restored afterwards
         monkeypatch.setenv(name, os.environ.get(name, "1"))
     prepare_environment(EngineSettings(dtype="float32"))
-    assert "VLLM_BATCH_INVARIANT" not in os.environ
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "0"
     prepare_environment(EngineSettings(dtype="float32", batch_invariant=True))
     assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
     # (not read back through vllm.envs here: vLLM caches what it read, and every later in-process
