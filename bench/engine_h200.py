@@ -42,15 +42,47 @@ from pathlib import Path
 
 from bench.engine_h200_common import DATA, GGUF_PARTS, K_VALUES, REPO, USERS, write_json
 from bench.engine_h200_data import prepare_data
-from bench.engine_h200_parts import part_engine8b, part_equiv, part_smoke
+from bench.engine_h200_equiv import part_equiv
+from bench.engine_h200_parts import part_engine8b, part_smoke
 from bench.engine_h200_report import merge, plot, table
+
+
+def run_part(part: str, budget_s: float) -> None:
+    """One part in a process of its own (a failing part is recorded and the others still run)."""
+    started = time.perf_counter()
+    cmd = [sys.executable, "-m", "bench.engine_h200", "--part", part, *(a for a in sys.argv[1:] if a not in ("--all", "--fidelity"))]
+    try:
+        rc = subprocess.run(cmd, cwd=REPO, timeout=budget_s).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    print(f"[bench] part {part}: rc {rc} in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def fidelity(args: argparse.Namespace) -> None:
+    """bf16 fidelity with and without batch invariance, side by side: OUT/bf16_fidelity_h200.json."""
+    for part in ("equiv", "equiv_bi"):
+        run_part(part, 280)
+    keys = ("identical_share_hbm", "identical_share_host", "max_first_token_logprob_gap_hbm", "identical_share_hbm_vs_prefix_cached",
+            "max_gap_hbm_vs_prefix_cached", "control_identical_share_prefix_cached", "control_max_gap_prefix_cached",
+            "identical_share_relocated", "identical_share_relocated_vs_hbm", "max_first_token_logprob_gap_relocated", "speed",
+            "injected_all", "injected_all_relocated", "relocated_error", "error")
+    result: dict = {"where": "H200, bench/engine_h200.py --fidelity", "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    for part, name in (("equiv", "default"), ("equiv_bi", "batch_invariant")):
+        path = args.out / f"part_{part}.json"
+        found = json.loads(path.read_text()) if path.exists() else {"error": "no result"}
+        result[name] = {k: found[k] for k in keys if k in found}
+        result[name]["prompts"] = found.get("prompts")
+    write_json(args.out / "bf16_fidelity_h200.json", result)
+    print(json.dumps(result, indent=1))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prepare-data", action="store_true")
     parser.add_argument("--all", action="store_true", help="run every part (subprocesses), merge, print, plot")
-    parser.add_argument("--part", choices=("smoke", "engine8b", "equiv"))
+    parser.add_argument("--part", choices=("smoke", "engine8b", "equiv", "equiv_bi"))
+    parser.add_argument("--fidelity", action="store_true",
+                        help="parts equiv and equiv_bi (VLLM_BATCH_INVARIANT=1) only: OUT/bf16_fidelity_h200.json")
     parser.add_argument("--merge", action="store_true")
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--gguf", type=Path, default=Path("/tmp/gguf"))
@@ -74,9 +106,11 @@ def main() -> None:
         prepare_data(args.data, GGUF_PARTS)
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.part == "equiv_bi":
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"  # before vLLM is imported: it reads its envs once
     if args.part:
         try:
-            result = {"smoke": part_smoke, "engine8b": part_engine8b, "equiv": part_equiv}[args.part](args)
+            result = {"smoke": part_smoke, "engine8b": part_engine8b, "equiv": part_equiv, "equiv_bi": part_equiv}[args.part](args)
             write_json(args.out / f"part_{args.part}.json", result)
         except Exception as exc:  # noqa: BLE001 - recorded; the orchestrator goes on
             traceback.print_exc()
@@ -86,20 +120,16 @@ def main() -> None:
             write_json(path, previous)
             sys.exit(1)
         return
+    if args.fidelity:
+        fidelity(args)
+        return
     if args.all:
         budgets = {"smoke": 200, "engine8b": 330, "equiv": 420}
         skip = set(filter(None, args.skip.split(",")))
         for part, budget in budgets.items():
             if part in skip:
                 continue
-            started = time.perf_counter()
-            cmd = [sys.executable, "-m", "bench.engine_h200", "--part", part, *sys.argv[1:]]
-            cmd.remove("--all")
-            try:
-                rc = subprocess.run(cmd, cwd=REPO, timeout=budget).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            print(f"[bench] part {part}: rc {rc} in {time.perf_counter() - started:.0f} s", flush=True)
+            run_part(part, budget)
     if args.all or args.merge:
         result = merge(args.out)
         print(table(result))

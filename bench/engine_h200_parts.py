@@ -1,5 +1,5 @@
-"""The three parts of the engine benchmark (bench/engine_h200.py describes them): smoke,
-engine8b, equiv. Each takes the parsed arguments and returns its JSON-able result."""
+"""Two parts of the engine benchmark (bench/engine_h200.py describes them): smoke and
+engine8b (equiv: bench/engine_h200_equiv.py). Each takes the parsed arguments and returns its JSON-able result."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from bench.engine_h200_common import (
     tokens_prompt,
     write_json,
 )
-from bench.engine_h200_data import convert_smollm2
 
 
 def part_smoke(args) -> dict:
@@ -219,78 +218,4 @@ def part_engine8b(args) -> dict:
     result["stats_final"] = llm.collective_rpc(rpc_stats)[0]
     result["usage_final"] = arena.usage()
     write_json(out, result)
-    return result
-
-
-def part_equiv(args) -> dict:
-    from memory.composition import compose
-    from kvarena.arena import ArenaGeometry
-
-    data = json.loads((args.data / "locomo_tokens.json").read_text())
-    started = time.perf_counter()
-    model_dir = args.smollm2 or convert_smollm2(args.gguf, Path(tempfile.gettempdir()) / "smollm2-bf16")
-    result: dict = {"convert_s": round(time.perf_counter() - started, 1)}
-    prompts = data["equiv"][: args.equiv]
-    pages = sum(-(-len(p["memory"]) // 16) for p in prompts)
-    geometry = ArenaGeometry(num_layers=30, num_kv_heads=3, head_size=64, dtype="bfloat16", page_tokens=16, num_pages=pages + 16, max_entries=len(prompts) + 8, max_pages_per_entry=128)
-    arena = new_arena(geometry, "smol")
-    llm = make_engine(model_dir, arena.path, device_pages=geometry.num_pages, gpu_mem=0.30, max_len=4096, enforce_eager=args.eager)
-    segments = capture_segments(llm, arena, [(p["memory"], 0, len(p["memory"])) for p in prompts])
-
-    def run(ids, params=None, salt=None):
-        (o,) = llm.generate([tokens_prompt(ids, salt)], sampling_params(32, params, logprobs=5), use_tqdm=False)
-        return o
-
-    def gap(a, b) -> float:
-        la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
-        common = set(la) & set(lb)
-        return max(abs(la[t].logprob - lb[t].logprob) for t in common) if common else float("inf")
-
-    rows = []
-    composed_all = [compose([segment], p["query"], namespace=uuid.uuid4().hex) for p, segment in zip(prompts, segments)]
-    for p, composed in zip(prompts, composed_all):  # memory resident in the HBM tier (promoted at capture)
-        plain = run(composed.prompt_token_ids)
-        hbm = run(composed.prompt_token_ids, composed.params, composed.cache_salt)
-        rows.append({"memory_tokens": len(p["memory"]), "injected_hbm": hbm.num_cached_tokens, "plain": plain, "hbm": hbm})
-    for row, composed in zip(rows, composed_all):  # then from the host tier: HBM tier emptied before each
-        llm.collective_rpc(rpc_drop)
-        host = run(composed.prompt_token_ids, composed.params, uuid.uuid4().hex)  # fresh salt: no reuse
-        plain, hbm = row.pop("plain"), row.pop("hbm")
-        want = list(plain.outputs[0].token_ids)
-        # control: vLLM's own prefix cache. A fresh salt prefills [memory][query] cold; the same
-        # salt again reuses the memory's cached blocks and prefills only the rest, the same
-        # compute path as injection but with KV from vLLM's own prefill.
-        salt = uuid.uuid4().hex
-        cold = run(composed.prompt_token_ids, None, salt)
-        warm = run(composed.prompt_token_ids, None, salt)
-        row.update(
-            identical_cold_vs_plain=list(cold.outputs[0].token_ids) == want,
-            identical_prefix_cached_vs_cold=list(warm.outputs[0].token_ids) == list(cold.outputs[0].token_ids),
-            prefix_cached_tokens=warm.num_cached_tokens,
-            gap_prefix_cached=gap(cold, warm),
-        )
-        row.update(
-            injected_host=host.num_cached_tokens,
-            identical_hbm=list(hbm.outputs[0].token_ids) == want,
-            identical_host=list(host.outputs[0].token_ids) == want,
-            gap_hbm=gap(plain, hbm),
-            gap_host=gap(plain, host),
-        )
-    n = len(rows)
-    result.update(
-        prompts=n,
-        injected_all=all(r["injected_hbm"] == r["memory_tokens"] == r["injected_host"] for r in rows),
-        identical_share_hbm=sum(r["identical_hbm"] for r in rows) / n,
-        identical_share_host=sum(r["identical_host"] for r in rows) / n,
-        max_first_token_logprob_gap_hbm=max(r["gap_hbm"] for r in rows),
-        max_first_token_logprob_gap_host=max(r["gap_host"] for r in rows),
-        mean_memory_tokens=sum(r["memory_tokens"] for r in rows) / n,
-        control_identical_share_prefix_cached=sum(r["identical_prefix_cached_vs_cold"] for r in rows) / n,
-        control_identical_share_cold_vs_plain=sum(r["identical_cold_vs_plain"] for r in rows) / n,
-        control_max_gap_prefix_cached=max(r["gap_prefix_cached"] for r in rows),
-        stats=llm.collective_rpc(rpc_stats)[0],
-        rows=rows,
-    )
-    print({k: v for k, v in result.items() if k != "rows"}, flush=True)
-    write_json(args.out / "part_equiv.json", result)
     return result

@@ -365,7 +365,8 @@ def main() -> None:
     questions = [q for conv in conversations for q in conv.questions]
     doc = {} if args.fresh or not args.out.exists() else json.loads(args.out.read_text())
     for k in args.k:
-        answers = {mode: ask_all(service, conversations, mode, k, args.max_tokens, args.concurrency) for mode in args.modes}
+        modes = [m for m in args.modes if m != "full" or k == args.k[0]]  # `full` ignores top_k: asked once
+        answers = {mode: ask_all(service, conversations, mode, k, args.max_tokens, args.concurrency) for mode in modes}
         for m in args.repair_m:
             answers[f"kv+m{m}"] = ask_all(service, conversations, "kv", k, args.max_tokens, args.concurrency, prefill_top_m=m)
         settings = {"k": k, "window": args.window, "neighbours": args.neighbours, "model": model, "conversations": [c.sample_id for c in conversations],

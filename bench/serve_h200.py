@@ -91,8 +91,11 @@ def llama8b_dummy_overrides() -> dict[str, str]:
 class ServiceUnderTest:
     """Redis + `serve run` of config.gpu.yaml and the floor applications, with the overrides."""
 
-    def __init__(self, out: Path, port: int = 8000, *, overrides: dict[str, str] | None = None, floor_apps: bool = True) -> None:
+    def __init__(self, out: Path, port: int = 8000, *, overrides: dict[str, str] | None = None, floor_apps: bool = True,
+                 redis_dir: Path = Path("/tmp/kvmem-bench-redis"), log_name: str = "serve.log") -> None:
         self.out = out
+        self.redis_dir = redis_dir  # a fresh folder: a fresh memory (a used one re-encodes its users on start)
+        self.log_name = log_name
         self.url = f"http://127.0.0.1:{port}"
         self.admin_key = "kvm-bench-" + secrets.token_hex(16)
         self.process: subprocess.Popen | None = None
@@ -119,7 +122,7 @@ class ServiceUnderTest:
     def environment(self) -> dict[str, str]:
         from devtools.local_redis import LocalRedis
 
-        self.redis = LocalRedis(Path("/tmp/kvmem-bench-redis"), own_session=True).start()
+        self.redis = LocalRedis(self.redis_dir, own_session=True).start()
         site = Path("/tmp/site")
         env = dict(os.environ)
         env.update(
@@ -146,7 +149,7 @@ class ServiceUnderTest:
         import httpx
 
         config, env = self.config(), self.environment()
-        log = open(self.out / "serve.log", "w")
+        log = open(self.out / self.log_name, "w")
         started = time.monotonic()
         command = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)]
         # its own session: with --keep-running it outlives this call (a later call measures it)
@@ -154,7 +157,7 @@ class ServiceUnderTest:
         last = ""
         while time.monotonic() - started < timeout_s:
             if self.process.poll() is not None:
-                raise RuntimeError(f"serve run exited ({self.process.returncode}); see serve.log:\n{tail(self.out / 'serve.log')}")
+                raise RuntimeError(f"serve run exited ({self.process.returncode}); see {self.log_name}:\n{tail(self.out / self.log_name)}")
             try:
                 response = httpx.get(f"{self.url}/health", timeout=5)
                 if response.status_code == 200:
@@ -163,7 +166,7 @@ class ServiceUnderTest:
             except httpx.HTTPError as exc:
                 last = repr(exc)
             time.sleep(2)
-        raise TimeoutError(f"not healthy after {timeout_s:.0f} s ({last}); serve.log:\n{tail(self.out / 'serve.log')}")
+        raise TimeoutError(f"not healthy after {timeout_s:.0f} s ({last}); {self.log_name}:\n{tail(self.out / self.log_name)}")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
