@@ -97,4 +97,32 @@ def peer(ctx: Context, sizes: tuple[int, ...] = SIZES, clients: int = 32, second
     return {"prefix_cache_peer": {"top_k": TOP_K, "clients": clients, "seconds": seconds, "sizes": out}}
 
 
+def plot_peer(result: dict[str, Any], path) -> None:
+    """TTFT (one request at a time) and QPS per mode against the user's memory size (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = {int(n): row for n, row in result["prefix_cache_peer"]["sizes"].items() if isinstance(row, dict)}
+    xs = sorted(sizes)
+    fig, (ax_ttft, ax_qps) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in PEER_MODES:
+        ax_ttft.plot(xs, [sizes[n][mode]["http_ttft_ms"] for n in xs], marker="o", label=f"{mode} (HTTP)")
+        ax_qps.plot(xs, [sizes[n][mode]["qps"] for n in xs], marker="o", label=mode)
+    ax_ttft.plot(xs, [sizes[n]["full_cold"]["http_ms"] for n in xs], "k:", marker="x", label="full, first request (cold)")
+    for ax in (ax_ttft, ax_qps):
+        ax.set_xscale("log")
+        ax.set_xlabel("facts in the user's memory")
+        ax.legend()
+    ax_ttft.set_yscale("log")
+    ax_ttft.set_ylabel("TTFT ms (median, one request at a time)")
+    ax_ttft.set_title("TTFT: retrieval (k = 10) vs the whole memory as a cached prefix")
+    ax_qps.set_ylabel(f"QPS ({result['prefix_cache_peer']['clients']} clients, 50 tokens)")
+    ax_qps.set_title("throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 PARTS = {"peer": Part(peer, 120)}

@@ -151,43 +151,66 @@ def run(args: argparse.Namespace) -> None:
         run_window(args, window, deadline, first=i == 0)
 
 
+def _label(run: dict[str, Any]) -> str:
+    s = run["settings"]
+    extra = f", {len(s['conversations'])} conv" if len(s["conversations"]) < 8 else ""
+    again = " (again)" if str(s.get("run_tag", "")).endswith("run2") else ""
+    return f"n={s['neighbours']} w={s['window']}{extra}{again}"
+
+
 def plot(results: Path, path: Path) -> None:
-    """F1 and list-like starts per memory.encode_neighbours, and the repair's F1 against m, from the
-    H200 runs of a locomo_qa.json (k = 10)."""
+    """From the H200 runs of a locomo_qa.json: F1 and list-like starts per setting (k = 10), the
+    repair's F1 against m, F1 against k."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in json.loads(results.read_text())["runs"]
-            if str(r["settings"].get("where", "")).startswith("H200") and r["settings"]["k"] == 10]
-    runs.sort(key=lambda r: r["settings"]["neighbours"])
-    labels = [f"n = {r['settings']['neighbours']}" for r in runs]
-    fig, (ax_f1, ax_list, ax_m) = plt.subplots(1, 3, figsize=(15, 4.2))
+    h200 = [r for r in json.loads(results.read_text())["runs"] if str(r["settings"].get("where", "")).startswith("H200")]
+    runs = sorted((r for r in h200 if r["settings"]["k"] == 10),
+                  key=lambda r: (-r["settings"]["window"], r["settings"]["neighbours"], r["settings"]["measured_at"]))
+    labels = [_label(r) for r in runs]
+    fig, (ax_f1, ax_list, ax_m, ax_k) = plt.subplots(1, 4, figsize=(21, 4.6))
     width = 0.13
     bars = [(mode, cat) for mode in ("kv", "prompt", "none") for cat in ("overall", "1")]
     for i, (mode, cat) in enumerate(bars):
         xs = [j + (i - len(bars) / 2) * width for j in range(len(runs))]
         ax_f1.bar(xs, [100 * r["f1"][mode][cat] for r in runs], width, label=f"{mode} {'overall' if cat == 'overall' else 'multi-hop'}")
-    ax_f1.set_xticks(range(len(runs)), labels)
+    ax_f1.set_xticks(range(len(runs)), labels, rotation=20, fontsize=8)
     ax_f1.set_ylabel("LoCoMo F1")
-    ax_f1.set_title("F1 by encode_neighbours (8 conversations, k = 10)")
+    ax_f1.set_title("F1 per setting (k = 10; n: encode_neighbours, w: window)")
     ax_f1.set_ylim(0, 15)
     ax_f1.legend(fontsize=7, ncol=3, loc="upper center")
-    ax_list.bar(labels, [100 * r["list_item_share"]["kv"]["overall"] for r in runs], color="tab:red", label="kv")
-    ax_list.axhline(100 * runs[-1]["list_item_share"]["prompt"]["overall"], color="k", ls="--", label="prompt")
+    xs = range(len(runs))
+    ax_list.bar([x - 0.2 for x in xs], [100 * r["list_item_share"]["kv"]["overall"] for r in runs], 0.4, color="tab:red", label="kv")
+    ax_list.bar([x + 0.2 for x in xs], [100 * r["list_item_share"]["prompt"]["overall"] for r in runs], 0.4, color="k", label="prompt")
+    ax_list.set_yscale("symlog", linthresh=1)
+    ax_list.set_xticks(list(xs), labels, rotation=20, fontsize=8)
     ax_list.set_ylabel("% of answers starting like a list item")
     ax_list.set_title("list-like starts")
     ax_list.legend()
     for r, label in zip(runs, labels):
         ms = sorted(int(m[4:]) for m in r["f1"] if m.startswith("kv+m"))
-        xs = [0, *ms, 10]
-        ys = [r["f1"]["kv"]["overall"], *(r["f1"][f"kv+m{m}"]["overall"] for m in ms), r["f1"]["prompt"]["overall"]]
-        ax_m.plot(xs, [100 * y for y in ys], marker="o", label=label)
+        if ms:
+            ys = [r["f1"]["kv"]["overall"], *(r["f1"][f"kv+m{m}"]["overall"] for m in ms), r["f1"]["prompt"]["overall"]]
+            ax_m.plot([0, *ms, 10], [100 * y for y in ys], marker="o", label=label)
     ax_m.set_xlabel("m: most relevant facts prefilled (m = 10 is prompt injection)")
     ax_m.set_ylabel("F1 overall")
-    ax_m.set_title("cross-fact repair (prefill_top_m)")
+    ax_m.set_title("cross-fact repair (prefill_top_m); TTFT flat: repair_ttft_h200.json")
     ax_m.legend()
+    sweep = sorted((r for r in h200 if str(r["settings"].get("run_tag", "")).endswith("run2")), key=lambda r: r["settings"]["k"])
+    for mode, style in (("kv", "o-"), ("prompt", "s--"), ("none", "x:")):
+        ks = [r["settings"]["k"] for r in sweep if mode in r["f1"]]
+        ax_k.plot(ks, [100 * r["f1"][mode]["overall"] for r in sweep if mode in r["f1"]], style, label=f"{mode} overall")
+        if mode != "none":
+            ax_k.plot(ks, [100 * r["f1"][mode]["1"] for r in sweep if mode in r["f1"]], style, alpha=0.5, label=f"{mode} multi-hop")
+    ax_k.set_xscale("log")
+    ax_k.minorticks_off()
+    ax_k.set_xticks([10, 20, 50], ["10", "20", "50"])
+    ax_k.set_xlabel("k (facts retrieved)")
+    ax_k.set_ylabel("LoCoMo F1")
+    ax_k.set_title("F1 against k (n = 6, w = 5, 8 conversations)")
+    ax_k.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -200,7 +223,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="CPU side: draw bench/results/quality_h200.png from this locomo_qa.json")
     parser.add_argument("--out", type=Path, default=Path("/tmp/quality-out"))
     parser.add_argument("--budget-s", type=float, default=540.0)
-    parser.add_argument("--window", type=int, nargs="+", default=[5], help="memory.window_turns: one service (and ingest) each")
+    parser.add_argument("--window", type=int, nargs="+", default=[0], help="memory.window_turns: one service (and ingest) each")
     parser.add_argument("--conversations", type=int, nargs="+", default=None, help="LoCoMo conversation indices (default: all)")
     parser.add_argument("--repair-ttft", type=int, nargs="*", default=[], help="m values (m >= k: prompt) timed one request at a time")
     parser.add_argument("--repair-ttft-requests", type=int, default=40)

@@ -259,7 +259,12 @@ def main() -> None:
     elif args.plot:
         from bench.serve_parts import plot
 
-        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        result = json.loads(args.plot.read_text())
+        plot(result, args.plot.with_suffix(".png"))
+        if "prefix_cache_peer" in result:
+            from bench.peer_parts import plot_peer
+
+            plot_peer(result, args.plot.with_name(args.plot.stem + "_peer.png"))
     else:
         run(args)
 
