@@ -100,6 +100,28 @@ def test_updating_or_deleting_a_neighbour_re_encodes_the_facts_behind_it(memory:
     assert shard.facts[beagle].neighbours == (nurse,) and shard.facts[nurse].neighbours == (beagle,)
 
 
+def test_a_capture_in_flight_behind_a_neighbour_that_changes_never_goes_live(memory: Memory) -> None:
+    """The race: a fact's capture is running behind a neighbour when the neighbour is updated. The
+    capture finishing afterwards must not make the fact live (its KV holds the old text); the fact
+    is encoded again behind the new text."""
+    shard = memory.shard
+    nurse, walks = add_one_by_one(memory, NURSE, WALKS)
+    (added,) = shard.add_facts("alice", [NewFact(text=BEAGLE)])
+    beagle = added["id"]
+    jobs = shard.take_encode_jobs()
+    (job,) = [j for j in jobs if j.key == beagle]
+    assert "every morning" in shard.layout.tokenizer.decode(job.token_ids)
+    shard.update(walks, "alice", "Alice walks her dog Rex at noon.")
+    assert shard.complete_encode_jobs({j.job_id: True for j in jobs}) == 0  # finished after the update: stale
+    assert shard.facts[beagle].ref is None and shard.get(beagle, "alice").kv == "queued"
+    prompts = encode_prompts(memory)
+    assert "every morning" not in prompts[beagle] and "at noon" in prompts[beagle]
+    asyncio.run(memory.driver.drain())
+    assert {shard.get(f, "alice").kv for f in (nurse, walks, beagle)} == {"live"}
+    plan = shard.plan_chat("alice", QUESTION, k=3, mode="kv")
+    assert plan.prefilled_fact_ids == [] and run_plan(memory.llm, plan).num_cached_tokens == plan.injected_tokens
+
+
 def test_neighbours_are_the_users_own_facts(memory: Memory) -> None:
     memory.shard.add_facts("bob", [NewFact(text="Bob's dog Max is a beagle.")])
     asyncio.run(memory.driver.drain())
