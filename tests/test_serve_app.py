@@ -96,6 +96,9 @@ def test_memory_add_search_chat_update_delete(served_app: str) -> None:
     prompt = _post(f"{served_app}/v1/chat/completions", {**chat, "memory": {"mode": "prompt"}})
     assert prompt["memory"]["mode"] == "prompt" and prompt["usage"]["prompt_tokens"] == kv["usage"]["prompt_tokens"]
     assert "Miso" in kv["choices"][0]["message"]["content"] or "Miso" in prompt["choices"][0]["message"]["content"]
+    full = _post(f"{served_app}/v1/chat/completions", {**chat, "memory": {"mode": "full"}})  # the whole memory, no retrieval
+    assert full["memory"]["mode"] == "full" and full["memory"]["fact_ids"] == []
+    assert full["usage"]["prompt_tokens"] == kv["usage"]["prompt_tokens"]  # erin's two facts, in another order
 
     updated = requests.put(f"{base}/{ids[1]}", json={"text": "Erin works as a teacher in York.", "wait_for_kv": True}, timeout=300)
     assert updated.status_code == 200 and updated.json()["version"] == 2
