@@ -75,6 +75,9 @@ class PromptLayout:
         self, tokenizer: Any, instruction: str = DEFAULT_INSTRUCTION, window_bridge: str = "", memory_closing: str = ""
     ) -> None:
         self.tokenizer = tokenizer
+        # A fast tokenizer's Rust backend, called directly: the same ids as tokenizer(text) (tested)
+        # at a tenth of its per-call overhead, which every chat request pays on its planning path.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.instruction = instruction
         self.memory_closing = memory_closing  # prefilled right after the facts, in every mode
         self.bridge_ids: list[int] = self._encode(window_bridge) if window_bridge else []  # between window and fact
@@ -82,12 +85,15 @@ class PromptLayout:
         if rendered.count(MEMORY_MARKER) != 1:
             raise ValueError("the chat template does not place the system message verbatim")
         prefix_text, _ = rendered.split(MEMORY_MARKER)
+        self._prefix_text = prefix_text
         self.prefix_ids: list[int] = self._encode(prefix_text)
 
     def _render(self, messages: list[dict[str, str]], generation: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
 
     def _encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ---------------------------------------------------------------- served prompts
@@ -102,7 +108,7 @@ class PromptLayout:
         content = self.instruction + MEMORY_MARKER + self.memory_closing + (("\n" + system) if system else "")
         rendered = self._render([{"role": "system", "content": content}, *rest], generation=True)
         head, tail = rendered.split(MEMORY_MARKER)
-        if self._encode(head) != self.prefix_ids:
+        if head != self._prefix_text and self._encode(head) != self.prefix_ids:  # the same text: the same ids
             raise ValueError("the chat template renders the memory prefix differently per conversation")
         return self._encode(tail)
 

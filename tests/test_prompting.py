@@ -31,6 +31,16 @@ def test_served_prompt_is_the_chat_template_with_the_facts_in_the_system_message
     assert layout.suffix_ids([{"role": "user", "content": "hi"}]) != layout.suffix_ids(messages)
 
 
+@pytest.mark.parametrize("text", [
+    "- Caroline went to the LGBTQ support group on 7 May 2023.\n",
+    "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n",  # special tokens
+    "  leading  spaces\t\ttabs\n\n", "émoji 🙂 ünïcode, \"quotes\" & 1,234.5", "",
+])
+def test_the_layouts_token_ids_are_the_tokenizers_own(layout: PromptLayout, text: str) -> None:
+    """The layout calls the fast tokenizer's backend directly (planning-path cost): same ids."""
+    assert layout._encode(text) == list(layout.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def test_encode_prompt_puts_the_window_between_prefix_and_fact(layout: PromptLayout) -> None:
     window = [Turn(turn_id="D1:1", speaker="Ann", text="I got a kitten!", order=0)]
     prompt = layout.encode_prompt("Ann has a cat.", window)
