@@ -116,14 +116,14 @@ def run_window(args: argparse.Namespace, window: int, deadline: float, first: bo
             "--plot", str(args.out / f"locomo_qa_w{window}.png"), "--answers", str(args.out / f"answers_w{window}.jsonl"),
             *(["--conversations", *map(str, args.conversations)] if args.conversations else []),
         ]
-        log = open(args.out / f"locomo_qa_w{window}.log", "w")
-        bench = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            reserve = 45 if first and args.repair_ttft else 0  # the repair TTFT below needs the service
-            bench.wait(max(1.0, deadline - reserve - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            bench.kill()
-            print("[quality_h200] out of budget: the k values finished so far are in locomo_qa.json", flush=True)
+        with open(args.out / f"locomo_qa_w{window}.log", "w") as log:
+            bench = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                reserve = 45 if first and args.repair_ttft else 0  # the repair TTFT below needs the service
+                bench.wait(max(1.0, deadline - reserve - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                bench.kill()
+                print("[quality_h200] out of budget: the k values finished so far are in locomo_qa.json", flush=True)
         print(tail(args.out / f"locomo_qa_w{window}.log", 60))
         if first and args.repair_ttft and deadline - time.monotonic() > 30:
             try:
