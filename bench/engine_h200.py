@@ -24,6 +24,8 @@ equiv     SmolLM2-135M-Instruct with its real weights (GGUF converted on the mac
     .venv/bin/python -m bench.engine_h200 --prepare-data
     # on the GPU machine (see docs/gpu.md for the whole call sequence)
     python3 -m bench.engine_h200 --all --out $OUT
+    # bf16 fidelity alone, with and without VLLM_BATCH_INVARIANT=1 (bench/engine_h200_equiv.py)
+    python3 -m bench.engine_h200 --fidelity --smollm2 <a bf16 SmolLM2 folder> --out $OUT
 
 Writes OUT/engine_h200.json ({"ttft_ms": ..., "qps": ..., "bf16_identical_share": ...} plus
 details), OUT/engine_h200.png and prints a table.
