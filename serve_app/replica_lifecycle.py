@@ -47,12 +47,14 @@ class EngineKeeper:
         restart_timeout_s: float,
         max_restarts: int,
         on_swap: Callable[[Any], None] | None = None,
+        log_stats_interval_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.build = build  # a fresh engine (blocking: runs in a worker thread)
         self.restart_timeout_s = restart_timeout_s
         self.max_restarts = max_restarts
         self.on_swap = on_swap
+        self.log_stats_interval_s = log_stats_interval_s  # vLLM's stats line (AsyncLLM.do_log_stats); 0: never
         self.restarts = 0  # engines built to replace a dead one
         self.last_recovery_s: float | None = None
         self._dead_since: float | None = None
@@ -78,10 +80,17 @@ class EngineKeeper:
                     pass
 
     async def _watch(self, period_s: float) -> None:
+        logged_at = time.monotonic()
         while True:
             await asyncio.sleep(period_s)
             if self.closed:
                 return
+            if self.log_stats_interval_s and time.monotonic() - logged_at >= self.log_stats_interval_s and not engine_dead(self.engine):
+                logged_at = time.monotonic()
+                try:
+                    await self.engine.do_log_stats()
+                except Exception as exc:  # noqa: BLE001 - a log line is never worth a restart
+                    logger.debug("engine stats: %s", exc)
             if engine_dead(self.engine) and (self._restarting is None or self._restarting.done()):
                 if self._failed_restarts >= self.max_restarts:
                     continue  # given up: check_health reports it and Serve replaces the replica
@@ -213,5 +222,6 @@ def start_backends(settings: "ServiceSettings", shard_id: int, model: str, kv_dt
         arena_path,
         arena_geometry_for(model, kv_dtype, **memory.arena.model_dump(exclude={"device_pages"})),
     )
-    keeper = EngineKeeper(engine, build_engine, settings.engine_restart_timeout_s, settings.engine_max_restarts)
+    keeper = EngineKeeper(engine, build_engine, settings.engine_restart_timeout_s, settings.engine_max_restarts,
+                          log_stats_interval_s=settings.engine.log_stats_interval_s)
     return actor, keeper

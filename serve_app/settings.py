@@ -43,6 +43,12 @@ class EngineSettings(BaseModel):
         "the step, so on a CPU a small chunk (config.yaml: 512) keeps chats answering while fact encodes run; None "
         "keeps vLLM's default (2048 on CPU, larger on GPUs).",
     )
+    log_stats_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="Seconds between the engine's stats log lines (running and waiting requests, preemptions, "
+        "throughput, prefix-cache hits), as vLLM's own server logs them; 0: never.",
+    )
     load_format: Literal["auto", "dummy", "safetensors", "gguf"] = Field(
         "auto",
         description="How vLLM loads the weights. dummy: random weights from the folder's config.json (timing runs "
