@@ -45,7 +45,11 @@ class ServingPlacement:
 class RequestPlan:
     """What the scheduler side knows about one request's memory operations."""
 
-    injects: list[ServingPlacement] = field(default_factory=list)
+    # the injected entries (pinned), sorted by serving start: ids, generations, [start, end) ranges
+    inject_entries: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    inject_generations: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    inject_starts: list[int] = field(default_factory=list)
+    inject_ends: list[int] = field(default_factory=list)
     # the injected entries' tokens, concatenated in serving order: positions, arena slots, distances
     inject_positions: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     inject_slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
@@ -56,18 +60,6 @@ class RequestPlan:
     block_ids: list[int] = field(default_factory=list)
     captured: bool = False
     scheduler_s: float = 0.0  # host time the scheduler side spent on this request (reported back)
-
-
-def _concatenated(placements: list[ServingPlacement]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Serving positions, arena slots and position distances of all placements' tokens, in order."""
-    lengths = np.fromiter((p.view.n_tokens for p in placements), dtype=np.int64, count=len(placements))
-    starts = np.fromiter((p.start for p in placements), dtype=np.int64, count=len(placements))
-    encode_starts = np.fromiter((p.view.encode_start for p in placements), dtype=np.int64, count=len(placements))
-    offsets = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    positions = np.repeat(starts, lengths) + offsets
-    slots = np.concatenate([p.view.token_slots for p in placements])
-    distances = np.repeat(starts - encode_starts, lengths)
-    return positions, slots, distances
 
 
 class KVMemoryScheduler:
@@ -101,9 +93,7 @@ class KVMemoryScheduler:
         self.plans[request.request_id] = plan
         prompt = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
         if params.inject:
-            plan.injects = self._pin_injects(request, params, prompt)
-            if plan.injects:
-                plan.inject_positions, plan.inject_slots, plan.inject_distances = _concatenated(plan.injects)
+            self._pin_injects(request, params, prompt, plan)
         if params.capture is not None:
             view = self.arena.writing_view(params.capture.entry, params.capture.generation)
             if view is None or params.capture.start + view.n_tokens > len(prompt):
@@ -114,31 +104,46 @@ class KVMemoryScheduler:
                 plan.capture = ServingPlacement(view, params.capture.start)
         return plan
 
-    def _pin_injects(self, request: "Request", params: KVMemoryParams, prompt: np.ndarray) -> list[ServingPlacement]:
+    def _pin_injects(self, request: "Request", params: KVMemoryParams, prompt: np.ndarray, plan: RequestPlan) -> None:
+        """Pin the request's entries and fill the plan's inject columns, sorted by serving start;
+        on any problem nothing stays pinned and the request falls back to a prefill. Column-wise
+        (one object per entry costs ~2 us each, and a request may inject 50+)."""
         if not request.cache_salt:
             self._fallback(request, "injection without a cache_salt (injected KV would be shared by token ids)")
-            return []
-        views = self.arena.pin_many([(p.entry, p.generation) for p in params.inject])  # one lock for all
-        for placement, view in zip(params.inject, views):
-            if view is None:
-                self._fallback(request, f"entry {placement.entry} gen {placement.generation} is unknown, stale or freed")
-                return []
-        pinned = [ServingPlacement(view, placement.start) for placement, view in zip(params.inject, views)]
-        # all entries' tokens against the prompt in one comparison (per-entry checks cost ~20 us each)
-        positions, slots, distances = _concatenated(pinned)
-        if int(np.abs(distances).max()) > self.max_distance:  # the worker could not rotate it
-            self.arena.unpin_many([(q.view.entry_id, q.view.generation) for q in pinned])
+            return
+        count = len(params.inject)
+        starts = np.fromiter((p.start for p in params.inject), dtype=np.int64, count=count)
+        order = np.argsort(starts, kind="stable")  # serving order; overlapping entries: the first asked wins
+        starts = starts[order]
+        ids = np.fromiter((p.entry for p in params.inject), dtype=np.int64, count=count)[order]
+        gens = np.fromiter((p.generation for p in params.inject), dtype=np.int64, count=count)[order]
+        pinned, ok = self.arena.pin_columns(ids, gens)  # one lock for all
+        if pinned is None:
+            bad = int(np.flatnonzero(~ok)[0])
+            self._fallback(request, f"entry {ids[bad]} gen {gens[bad]} is unknown, stale or freed")
+            return
+        lengths = pinned.n_tokens
+        ends = starts + lengths
+        first = np.cumsum(lengths) - lengths  # each entry's first row in the concatenation
+        positions = np.repeat(starts - first, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+        slots = pinned.token_slots
+        distances = np.repeat(starts - pinned.encode_starts, lengths)
+        if len(distances) and int(np.abs(distances).max()) > self.max_distance:  # the worker could not rotate it
+            self.arena.unpin_columns(ids, gens)
             self._fallback(request, f"an entry moves more than the rotary table's {self.max_distance} positions")
-            return []
+            return
+        # all entries' tokens against the prompt in one comparison (per-entry checks cost ~20 us each)
         inside = positions < len(prompt)
         equal = np.zeros(len(positions), dtype=bool)
         equal[inside] = self.arena.token_ids[slots[inside]] == prompt[positions[inside]]
         if not equal.all():
-            bad = int(np.searchsorted(np.cumsum([p.view.n_tokens for p in pinned]), int(np.flatnonzero(~equal)[0]), side="right"))
-            self.arena.unpin_many([(q.view.entry_id, q.view.generation) for q in pinned])
-            self._fallback(request, f"entry {pinned[bad].view.entry_id} tokens do not match prompt positions {pinned[bad].start}..")
-            return []
-        return sorted(pinned, key=lambda p: p.start)
+            bad = int(np.searchsorted(np.cumsum(lengths), int(np.flatnonzero(~equal)[0]), side="right"))
+            self.arena.unpin_columns(ids, gens)
+            self._fallback(request, f"entry {ids[bad]} tokens do not match prompt positions {starts[bad]}..")
+            return
+        plan.inject_entries, plan.inject_generations = ids, gens
+        plan.inject_starts, plan.inject_ends = starts.tolist(), ends.tolist()
+        plan.inject_positions, plan.inject_slots, plan.inject_distances = positions, slots, distances
 
     def _fallback(self, request: "Request", reason: str) -> None:
         self.fallbacks += 1
@@ -151,12 +156,12 @@ class KVMemoryScheduler:
         if plan is None:
             return 0
         plan.scheduler_s += time.perf_counter() - started
-        if not plan.injects:
+        if not plan.inject_starts:
             return 0
         end = num_computed_tokens
-        for placement in plan.injects:  # sorted by start: extend a contiguous run from end
-            if placement.start <= end < placement.end:
-                end = placement.end
+        for start, stop in zip(plan.inject_starts, plan.inject_ends):  # sorted by start: extend a contiguous run from end
+            if start <= end < stop:
+                end = stop
         end = min(end, request.num_prompt_tokens - 1)  # vLLM must compute at least one token
         plan.offered_from = num_computed_tokens
         return max(0, end - num_computed_tokens)
@@ -231,6 +236,6 @@ class KVMemoryScheduler:
         plan = self.plans.pop(request.request_id, None)
         if plan is None:
             return None
-        if plan.injects:  # one lock for all
-            self.arena.unpin_many([(p.view.entry_id, p.view.generation) for p in plan.injects])
+        if plan.inject_starts:  # one lock for all
+            self.arena.unpin_columns(plan.inject_entries, plan.inject_generations)
         return {PARAMS_KEY: {"captured": plan.captured, "scheduler_us": round(plan.scheduler_s * 1e6, 1)}}

@@ -53,7 +53,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvarena.geometry import ArenaError, ArenaFull, ArenaGeometry, arena_geometry_for
-from kvarena.tables import FREE, LIVE, RETIRED, STATE_NAMES, TAG_BYTES, WRITING, ArenaTables, EntryRef, EntryView, entry_dtype, table_sizes
+from kvarena.tables import (
+    FREE, LIVE, RETIRED, STATE_NAMES, TAG_BYTES, WRITING, ArenaTables, EntryRef, EntryView, PinnedEntries, entry_dtype, table_sizes,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -210,43 +212,61 @@ class FactArena(ArenaTables):
             return self._view(entry_id)
 
     def pin_many(self, placements: list[tuple[int, int]]) -> list[EntryView | None]:
-        """Pin several (entry, generation) pairs under one lock: all or none.
-
-        Returns one view per pair; where any pair cannot be pinned, nothing stays pinned and
-        the failing pairs are None in the list. Column-wise numpy (a request may inject 50+
-        entries; per-record access of the structured table costs ~10 us each)."""
+        """Pin several (entry, generation) pairs under one lock: all or none. One view per pair;
+        where any pair cannot be pinned, nothing stays pinned and the failing pairs are None."""
         if not placements:
             return []
         ids = np.fromiter((e for e, _ in placements), dtype=np.int64, count=len(placements))
         gens = np.fromiter((g for _, g in placements), dtype=np.int64, count=len(placements))
+        pinned, ok = self.pin_columns(ids, gens)
+        if pinned is None:
+            with self.locked():
+                return [None if not good else self._view(int(e)) for e, good in zip(ids, ok)]
+        ends = np.cumsum(pinned.n_tokens)
+        return [
+            EntryView(entry_id=e, generation=g, state=LIVE, n_tokens=n, encode_start=es, token_slots=pinned.token_slots[end - n : end])
+            for e, g, n, es, end in zip(
+                ids.tolist(), gens.tolist(), pinned.n_tokens.tolist(), pinned.encode_starts.tolist(), ends.tolist()
+            )
+        ]
+
+    def pin_columns(self, entry_ids: np.ndarray, generations: np.ndarray) -> tuple[PinnedEntries | None, np.ndarray]:
+        """Pin the LIVE entries (entry_ids[i], generations[i]) under one lock, all or none:
+        (PinnedEntries in the order asked, all-True mask), or (None, mask of the pinnable ones)
+        with nothing pinned. The same entry may be asked for twice (pinned twice). Column-wise
+        numpy: per-record access of the structured table costs ~10 us each."""
+        ids = np.asarray(entry_ids, dtype=np.int64)
+        gens = np.asarray(generations, dtype=np.int64)
         known = (ids >= 0) & (ids < self.geometry.max_entries)
         safe = np.where(known, ids, 0)
         with self.locked():
             ok = known & (self.entries["state"][safe] == LIVE) & (self.entries["generation"][safe] == gens)
             if not ok.all():
-                return [None if not good else self._view(int(e)) for e, good in zip(ids, ok)]
-            pins = self.entries["pins"]
-            np.add.at(pins, ids, 1)  # the same entry may be placed twice
-            rows = self.entries[ids]  # a copy: the views are snapshots taken under the lock
+                return None, ok
+            np.add.at(self.entries["pins"], ids, 1)
+            rows = self.entries[ids]  # a copy: the columns are a snapshot taken under the lock
         page_tokens = self.geometry.page_tokens
-        slots = rows["pages"].astype(np.int64)[:, :, None] * page_tokens + np.arange(page_tokens)
+        n_tokens = rows["n_tokens"].astype(np.int64)
+        used = int(rows["n_pages"].max()) if len(ids) else 0  # facts fill a page or two of max_pages_per_entry (64)
+        slots = rows["pages"][:, :used].astype(np.int64)[:, :, None] * page_tokens + np.arange(page_tokens)
         slots = slots.reshape(len(ids), -1)
-        columns = zip(
-            ids.tolist(), rows["generation"].tolist(), rows["state"].tolist(), rows["n_tokens"].tolist(), rows["encode_start"].tolist()
-        )
-        return [
-            EntryView(entry_id=e, generation=g, state=st, n_tokens=n, encode_start=es, token_slots=slots[i, :n])
-            for i, (e, g, st, n, es) in enumerate(columns)
-        ]
+        token_slots = slots[np.arange(slots.shape[1]) < n_tokens[:, None]]  # row-major: each row's first n_tokens
+        return PinnedEntries(ids, gens, n_tokens, rows["encode_start"].astype(np.int64), token_slots), ok
 
     def unpin(self, entry_id: int, generation: int) -> None:
         self.unpin_many([(entry_id, generation)])
 
     def unpin_many(self, placements: list[tuple[int, int]]) -> None:
-        if not placements:
+        if placements:
+            ids = np.fromiter((e for e, _ in placements), dtype=np.int64, count=len(placements))
+            self.unpin_columns(ids, np.fromiter((g for _, g in placements), dtype=np.int64, count=len(placements)))
+
+    def unpin_columns(self, entry_ids: np.ndarray, generations: np.ndarray) -> None:
+        """Undo pin_columns (one unpin per row); the last unpin of a RETIRED entry frees it."""
+        ids = np.asarray(entry_ids, dtype=np.int64)
+        gens = np.asarray(generations, dtype=np.int64)
+        if not len(ids):
             return
-        ids = np.fromiter((e for e, _ in placements), dtype=np.int64, count=len(placements))
-        gens = np.fromiter((g for _, g in placements), dtype=np.int64, count=len(placements))
         with self.locked():
             pins = self.entries["pins"]
             wanted = np.bincount(ids, minlength=len(pins))[ids]

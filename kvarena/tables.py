@@ -56,6 +56,19 @@ class EntryView:
     token_slots: np.ndarray  # [n_tokens] int64 indices into the kv tensor's token axis
 
 
+@dataclass(frozen=True)
+class PinnedEntries:
+    """Entries pinned together (FactArena.pin_columns), column-wise: one row per placement asked
+    for, in that order. A request injects 50+ entries; one object per entry costs more host time
+    than the arrays (connector scheduler)."""
+
+    entry_ids: np.ndarray  # [rows] int64
+    generations: np.ndarray  # [rows] int64
+    n_tokens: np.ndarray  # [rows] int64
+    encode_starts: np.ndarray  # [rows] int64
+    token_slots: np.ndarray  # [sum(n_tokens)] int64: every row's token slots, concatenated in row order
+
+
 def entry_dtype(max_pages: int) -> np.dtype:
     """The numpy record type of one entry of the entry table."""
     return np.dtype(
