@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServingPlacement:
-    """A pinned entry placed at a serving position of a request's prompt."""
+    """An entry placed at a serving position of a request's prompt: the capture target (injected
+    entries are kept column-wise in RequestPlan)."""
 
     view: EntryView
     start: int  # serving position of the entry's first token
