@@ -18,14 +18,16 @@ from devtools.local_redis import free_loopback_port
 
 
 def small_service_args(redis_url: str, model_dir: Path, namespace: str, arena_dir: str, **overrides: Any) -> dict[str, Any]:
-    """ServiceSettings args for tests: SmolLM2 bf16, short context, exact index on the CPU.
+    """ServiceSettings args for tests: SmolLM2 in the service's own dtype (auto: float32 on CPUs
+    without native bf16, where bf16 runs torch's scalar GEMM at ~1 generated token/s; bf16
+    elsewhere), short context, exact index on the CPU.
 
     Every test module shares one Redis server, so each service writes under its own key prefix
     (`kvmem-<namespace>`): a shard rebuilds its users from Redis at start, and must not adopt
     facts another module left behind."""
     args: dict[str, Any] = {
         "redis_url": redis_url,
-        "engine": {"model": str(model_dir), "dtype": "bfloat16", "max_model_len": 1024, "cpu_kv_cache_space_gib": 1},
+        "engine": {"model": str(model_dir), "dtype": "auto", "max_model_len": 1024, "cpu_kv_cache_space_gib": 1},
         "default_max_tokens": 32,
         "llm_replicas": 1,
         "llm_replica_num_cpus": 0,

