@@ -27,6 +27,7 @@ import time
 import types
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -54,28 +55,34 @@ def _arena(root: Path) -> tuple[FactArena, list[StoredSegment]]:
     return arena, segments
 
 
+def one_request(side: KVMemoryScheduler, segments: list[StoredSegment], compose_fn: Callable[..., Any], chosen: np.ndarray) -> tuple[float, Any]:
+    """Seconds of scheduler-side host time for one request injecting the chosen facts (plan, pin,
+    token check, inject op, finish), and its inject op. Duck-typed on the scheduler and compose:
+    bench/connector_scheduler_ab.py runs it on another checkout's classes too."""
+    composed = compose_fn([segments[i] for i in chosen], [5, 6, 7], namespace="bench")
+    request = types.SimpleNamespace(
+        request_id=uuid.uuid4().hex,
+        kv_transfer_params=composed.kv_transfer_params(),
+        prompt_token_ids=composed.prompt_token_ids,
+        cache_salt=composed.cache_salt,
+        num_prompt_tokens=len(composed.prompt_token_ids),
+    )
+    started = time.perf_counter()
+    granted = side.get_num_new_matched_tokens(request, 0)
+    side.update_state_after_alloc(request, granted)
+    plan = side.plans[request.request_id]
+    plan.block_ids = list(range(len(composed.prompt_token_ids) // 16 + 1))
+    metadata = types.SimpleNamespace(injects=[], captures=[])
+    side._emit(plan, request.request_id, 0, types.SimpleNamespace(num_scheduled_tokens={}), metadata)
+    side.request_finished(request)
+    elapsed = time.perf_counter() - started
+    assert granted > 0 and len(metadata.injects) == 1, "the request was not injected"
+    return elapsed, metadata.injects[0]
+
+
 def scheduler_us(arena: FactArena, segments: list[StoredSegment], k: int, n: int, rng: np.random.Generator) -> float:
     side = KVMemoryScheduler(arena, block_size=16)
-    times = []
-    for _ in range(n):
-        chosen = [segments[i] for i in rng.choice(len(segments), k, replace=False)]
-        composed = compose(chosen, [5, 6, 7], namespace="bench")
-        request = types.SimpleNamespace(
-            request_id=uuid.uuid4().hex,
-            kv_transfer_params=composed.kv_transfer_params(),
-            prompt_token_ids=composed.prompt_token_ids,
-            cache_salt=composed.cache_salt,
-            num_prompt_tokens=len(composed.prompt_token_ids),
-        )
-        started = time.perf_counter()
-        granted = side.get_num_new_matched_tokens(request, 0)
-        side.update_state_after_alloc(request, granted)
-        plan = side.plans[request.request_id]
-        plan.block_ids = list(range(len(composed.prompt_token_ids) // 16 + 1))
-        metadata = types.SimpleNamespace(injects=[], captures=[])
-        side._emit(plan, request.request_id, 0, types.SimpleNamespace(num_scheduled_tokens={}), metadata)
-        side.request_finished(request)
-        times.append(time.perf_counter() - started)
+    times = [one_request(side, segments, compose, rng.choice(len(segments), k, replace=False))[0] for _ in range(n)]
     return float(np.median(times) * 1e6)
 
 

@@ -12,7 +12,7 @@ Both trees get the same facts and the same requests, and their inject ops must b
 
 Each tree's packages (kvarena, connector, memory, bench) are imported from its own folder in
 turn: the module cache is cleared between the two imports, so each tree's classes keep
-references to their own modules.
+references to their own modules. The request itself is connector_host_overhead.one_request.
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
-import types
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from bench.connector_host_overhead import one_request  # duck-typed: runs on either tree's classes
 
 PACKAGES = ("connector", "kvarena", "memory", "bench")
 HERE = Path(__file__).resolve().parents[1]
@@ -48,26 +47,6 @@ def load_tree(root: Path, shm: Path) -> tuple[Any, list[Any], Callable[..., Any]
         sys.path.remove(str(root))
     arena, segments = host_bench._arena(Path(tempfile.mkdtemp(dir=shm)))
     return scheduler.KVMemoryScheduler(arena, block_size=16), segments, compose
-
-
-def one_request(side: Any, segments: list[Any], compose: Callable[..., Any], chosen: np.ndarray) -> tuple[float, Any]:
-    """Seconds of scheduler host time for one request injecting the chosen facts, and its inject op."""
-    composed = compose([segments[i] for i in chosen], [5, 6, 7], namespace="bench")
-    request = types.SimpleNamespace(
-        request_id=uuid.uuid4().hex, kv_transfer_params=composed.kv_transfer_params(), prompt_token_ids=composed.prompt_token_ids,
-        cache_salt=composed.cache_salt, num_prompt_tokens=len(composed.prompt_token_ids),
-    )
-    started = time.perf_counter()
-    granted = side.get_num_new_matched_tokens(request, 0)
-    side.update_state_after_alloc(request, granted)
-    plan = side.plans[request.request_id]
-    plan.block_ids = list(range(len(composed.prompt_token_ids) // 16 + 1))
-    metadata = types.SimpleNamespace(injects=[], captures=[])
-    side._emit(plan, request.request_id, 0, types.SimpleNamespace(num_scheduled_tokens={}), metadata)
-    side.request_finished(request)
-    elapsed = time.perf_counter() - started
-    assert granted > 0 and len(metadata.injects) == 1, "the request was not injected"
-    return elapsed, metadata.injects[0]
 
 
 def same_op(a: Any, b: Any) -> bool:

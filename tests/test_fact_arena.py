@@ -235,3 +235,23 @@ def test_live_entries_carry_their_owners_tags_and_tokens(arena: FactArena) -> No
     arena.commit(other)
     arena.pin(other.entry_id, other.generation)
     assert arena.is_pinned(other) is True and arena.is_pinned(EntryRef(other.entry_id, other.generation + 1)) is False
+
+
+def test_pin_columns_gives_each_entrys_token_slots_concatenated_in_the_order_asked(arena: FactArena) -> None:
+    """Entries of 3, 1 and 2 pages: the columns hold each entry's slots (of its pages only), in order."""
+    texts = [list(range(100, 120)), list(range(200, 205)), list(range(300, 310))]
+    refs = [arena.allocate(tokens, encode_start=i) for i, tokens in enumerate(texts)]
+    for ref in refs:
+        arena.commit(ref)
+    asked = [refs[2], refs[0], refs[1], refs[2]]
+    pinned, ok = arena.pin_columns(np.array([r.entry_id for r in asked]), np.array([r.generation for r in asked]))
+    assert pinned is not None and ok.all()
+    assert pinned.n_tokens.tolist() == [10, 20, 5, 10] and pinned.encode_starts.tolist() == [2, 0, 1, 2]
+    expected = np.concatenate([arena.pin(r.entry_id, r.generation).token_slots for r in asked])
+    np.testing.assert_array_equal(pinned.token_slots, expected)
+    np.testing.assert_array_equal(arena.token_ids[pinned.token_slots], np.concatenate([texts[2], texts[0], texts[1], texts[2]]))
+    arena.unpin_columns(pinned.entry_ids, pinned.generations)
+    arena.unpin_many([(r.entry_id, r.generation) for r in asked])  # the pins pin() took above
+    assert int(arena.entries["pins"].sum()) == 0
+    stale = arena.pin_columns(np.array([refs[0].entry_id, refs[1].entry_id]), np.array([refs[0].generation, refs[1].generation + 1]))
+    assert stale[0] is None and stale[1].tolist() == [True, False] and int(arena.entries["pins"].sum()) == 0
