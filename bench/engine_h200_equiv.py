@@ -40,6 +40,7 @@ from bench.engine_h200_common import (
     write_json,
 )
 from bench.engine_h200_data import convert_smollm2
+from bench.engine_h200_readback import split_checks
 
 SHIFT = 1000  # positions the relocated memory is moved by (and back)
 TOKENS = 32
@@ -85,9 +86,9 @@ def part_equiv(args) -> dict:
     result: dict = {"batch_invariant": batch_invariant, "convert_s": round(time.perf_counter() - started, 1)}
     prompts = data["equiv"][: args.equiv]
     filler_ids = [t for p in prompts for t in p["memory"]][:SHIFT]
-    pages = 2 * sum(-(-len(p["memory"]) // 16) for p in prompts) + SHIFT // 16 + 16
+    pages = 3 * sum(-(-(len(p["memory"]) + len(p["query"])) // 16) for p in prompts) + SHIFT // 16 + 16
     geometry = ArenaGeometry(num_layers=30, num_kv_heads=3, head_size=64, dtype="bfloat16", page_tokens=16,
-                             num_pages=pages, max_entries=2 * len(prompts) + 8, max_pages_per_entry=128)
+                             num_pages=pages, max_entries=3 * len(prompts) + 8, max_pages_per_entry=128)
     arena = new_arena(geometry, "smol")
     started = time.perf_counter()
     llm = make_engine(model_dir, arena.path, device_pages=geometry.num_pages, gpu_mem=0.30, max_len=4096, enforce_eager=args.eager)
@@ -115,6 +116,7 @@ def part_equiv(args) -> dict:
     except Exception as exc:  # noqa: BLE001 - recorded; the other comparisons stand
         result["relocated_error"] = repr(exc)[-1000:]
         relocated = []
+    cold_warm = []
     for i, (row, composed) in enumerate(zip(rows, composed_all)):  # then from the host tier: HBM tier emptied before each
         llm.collective_rpc(rpc_drop)
         host = run(composed.prompt_token_ids, composed.params, uuid.uuid4().hex)  # fresh salt: no reuse
@@ -122,6 +124,7 @@ def part_equiv(args) -> dict:
         salt = uuid.uuid4().hex
         cold = run(composed.prompt_token_ids, None, salt)
         warm = run(composed.prompt_token_ids, None, salt)
+        cold_warm.append((cold, warm))
         row.update(
             injected_host=host.num_cached_tokens,
             identical_hbm=_same(hbm, plain),
@@ -140,6 +143,10 @@ def part_equiv(args) -> dict:
             out = run(moved.prompt_token_ids, moved.params, moved.cache_salt)
             row.update(injected_relocated=out.num_cached_tokens, identical_relocated=_same(out, plain),
                        gap_relocated=_first_gap(plain, out), identical_relocated_vs_hbm=_same(out, hbm))
+    try:
+        result["split_checks"] = split_checks(llm, arena, prompts, segments, cold_warm, run, _same, _first_gap)
+    except Exception as exc:  # noqa: BLE001 - recorded; the other comparisons stand
+        result["split_checks_error"] = repr(exc)[-1000:]
     batch = [tokens_prompt(c.prompt_token_ids, uuid.uuid4().hex) for c in composed_all]
     t0 = time.perf_counter()
     llm.generate(batch, sampling_params(TOKENS), use_tqdm=False)
@@ -179,6 +186,7 @@ def part_equiv(args) -> dict:
             identical_share_relocated_vs_hbm=share("identical_relocated_vs_hbm"),
             max_first_token_logprob_gap_relocated=max(r["gap_relocated"] for r in rows),
         )
-    print({k: v for k, v in result.items() if k not in ("rows", "stats")}, flush=True)
+    print({k: v for k, v in result.items() if k not in ("rows", "stats", "split_checks")}, flush=True)
+    print({k: v for k, v in result.get("split_checks", {}).items() if k != "rows"}, flush=True)
     write_json(args.out / ("part_equiv_bi.json" if batch_invariant else "part_equiv.json"), result)
     return result
