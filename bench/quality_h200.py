@@ -161,7 +161,8 @@ def _label(run: dict[str, Any]) -> str:
     s = run["settings"]
     extra = f", {len(s['conversations'])} conv" if len(s["conversations"]) < 8 else ""
     again = " (again)" if str(s.get("run_tag", "")).endswith("run2") else ""
-    return f"n={s['neighbours']} w={s['window']}{extra}{again}"
+    mpnet = " mpnet" if "mpnet" in str(s.get("embedder", "")) else ""
+    return f"n={s['neighbours']} w={s['window']}{mpnet}{extra}{again}"
 
 
 def plot(results: Path, path: Path) -> None:
@@ -204,18 +205,20 @@ def plot(results: Path, path: Path) -> None:
     ax_m.set_ylabel("F1 overall")
     ax_m.set_title("cross-fact repair (prefill_top_m); TTFT flat: repair_ttft_h200.json")
     ax_m.legend()
-    sweep = sorted((r for r in h200 if str(r["settings"].get("run_tag", "")).endswith("run2")), key=lambda r: r["settings"]["k"])
-    for mode, style in (("kv", "o-"), ("prompt", "s--"), ("none", "x:")):
-        ks = [r["settings"]["k"] for r in sweep if mode in r["f1"]]
-        ax_k.plot(ks, [100 * r["f1"][mode]["overall"] for r in sweep if mode in r["f1"]], style, label=f"{mode} overall")
-        if mode != "none":
-            ax_k.plot(ks, [100 * r["f1"][mode]["1"] for r in sweep if mode in r["f1"]], style, alpha=0.5, label=f"{mode} multi-hop")
+    all8 = [r for r in h200 if len(r["settings"]["conversations"]) == 8 and "mpnet" not in str(r["settings"].get("embedder", ""))]
+    sweeps = {"w=0": sorted((r for r in all8 if r["settings"]["window"] == 0), key=lambda r: r["settings"]["k"]),
+              "w=5": sorted((r for r in all8 if str(r["settings"].get("run_tag", "")).endswith("run2")), key=lambda r: r["settings"]["k"])}
+    for (name, sweep), alpha in zip(sweeps.items(), (1.0, 0.35)):
+        for mode, style in (("kv", "o-"), ("prompt", "s--"), ("none", "x:")):
+            ks = [r["settings"]["k"] for r in sweep if mode in r["f1"]]
+            ax_k.plot(ks, [100 * r["f1"][mode]["overall"] for r in sweep if mode in r["f1"]], style, alpha=alpha,
+                      color={"kv": "tab:blue", "prompt": "tab:green", "none": "tab:purple"}[mode], label=f"{mode} overall {name}")
     ax_k.set_xscale("log")
     ax_k.minorticks_off()
-    ax_k.set_xticks([10, 20, 50], ["10", "20", "50"])
+    ax_k.set_xticks([5, 10, 20, 50], ["5", "10", "20", "50"])
     ax_k.set_xlabel("k (facts retrieved)")
     ax_k.set_ylabel("LoCoMo F1")
-    ax_k.set_title("F1 against k (n = 6, w = 5, 8 conversations)")
+    ax_k.set_title("F1 overall against k (n = 6, 8 conversations; w = 5 faded)")
     ax_k.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
