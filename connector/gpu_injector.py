@@ -144,15 +144,22 @@ class GpuInjector:
         """One host->device copy for several int64 arrays; returns device views.
 
         Each view starts 16-byte aligned: Triton specialises pointer arguments on 16-byte
-        alignment, so a view at an odd int64 offset would compile another kernel variant."""
+        alignment, so a view at an odd int64 offset would compile another kernel variant.
+
+        On a GPU the arrays are packed into pinned memory from torch's caching host allocator:
+        a copy from pageable memory makes the host wait for the stream to drain first (CUDA's
+        pageable cudaMemcpyAsync semantics), and the caching allocator keeps a pinned block from
+        reuse until the copy that reads it has finished, so no buffer bookkeeping is needed here."""
         starts, offset = [], 0
         for a in arrays:
             starts.append(offset)
             offset += len(a) + (len(a) & 1)
-        packed = np.zeros(offset, dtype=np.int64)
+        host = torch.empty(offset, dtype=torch.int64, pin_memory=self.on_cuda)
+        packed = host.numpy()
         for start, a in zip(starts, arrays):
             packed[start : start + len(a)] = a
-        device = torch.from_numpy(packed).to(self.device, non_blocking=True)
+            packed[start + len(a) : start + len(a) + (len(a) & 1)] = 0
+        device = host.to(self.device, non_blocking=True) if self.on_cuda else host
         return [device[start : start + len(a)] for start, a in zip(starts, arrays)]
 
     def _ensure_staging(self, rows: int) -> torch.Tensor:
