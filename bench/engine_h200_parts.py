@@ -76,6 +76,23 @@ def part_smoke(args) -> dict:
     flat = torch.empty(host_bytes // 2, dtype=torch.bfloat16, device=dev)
     t_dma = do_bench(lambda: flat.copy_(pinned, non_blocking=True), warmup=20, rep=300, return_mode="median")
     micro.update(dma_same_bytes_ms=round(t_dma, 4), dma_GBps=round(host_bytes / t_dma / 1e6, 1))
+    # host time of one launch (Python + driver), what each injecting step pays per kernel call
+    def launch_us(fn, n: int = 200) -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(n):
+            fn()
+        elapsed = time.perf_counter() - started
+        torch.cuda.synchronize()
+        return round(elapsed / n * 1e6, 1)
+
+    small = rows[:64], slots[:64], dist[:64]
+    micro["launch_host_us"] = {
+        "inject": launch_us(lambda: ti.inject(cache_ref, src, *small, cos, sin, head, True)),
+        "inject_4_layers": launch_us(lambda: ti.inject(cache_ref, src, *small, cos, sin, head, True, 4, 4)),
+        "copy_rows": launch_us(lambda: ti.copy_rows(src, small[0], staging, stage_rows[:64])),
+        "torch_index_copy": launch_us(lambda: staging[0].index_copy_(0, stage_rows[:64], src[0].index_select(0, small[0]))),
+    }
     result["micro"] = micro
     print("micro:", micro, flush=True)
     return result
@@ -103,9 +120,10 @@ def part_engine8b(args) -> dict:
     )  # fmt: skip
     arena = new_arena(geometry, "8b")
     result: dict = {"arena": {"pages": geometry.num_pages, "GiB": round(geometry.kv_bytes() / 2**30, 2), "pool_facts": args.pool}}
+    result["block_size"] = args.block_size or 16
     out = args.out / "part_engine8b.json"
     started = time.perf_counter()
-    llm = make_engine(model_dir, arena.path, device_pages=geometry.num_pages, gpu_mem=0.80, max_len=8192, enforce_eager=args.eager)
+    llm = make_engine(model_dir, arena.path, device_pages=geometry.num_pages, gpu_mem=0.80, max_len=8192, enforce_eager=args.eager, block_size=args.block_size)
     result["engine_start_s"] = round(time.perf_counter() - started, 1)
     print(f"engine up in {result['engine_start_s']} s", flush=True)
 

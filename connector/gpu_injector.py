@@ -186,10 +186,15 @@ class GpuInjector:
             raise ValueError(f"position distance beyond the rotary table ({self.max_distance})")
         self.join()
         pt = self.page_tokens
-        pages, inverse = np.unique(arena_slots // pt, return_inverse=True)
+        # pages as runs of consecutive tokens (an entry's tokens fill its pages in order), not
+        # np.unique: a sort of every token costs more than the whole lookup; a page met in two
+        # runs is looked up twice, which is harmless
+        page_of_token = arena_slots // pt
+        run_starts = np.flatnonzero(np.concatenate(([True], page_of_token[1:] != page_of_token[:-1])))
+        pages = page_of_token[run_starts]
         entries, generations = self._owners(pages)
         page_slots = self.tier_map.lookup(pages, entries, generations)
-        token_slot = page_slots[inverse]
+        token_slot = np.repeat(page_slots, np.diff(np.append(run_starts, len(page_of_token))))
         hit = token_slot >= 0
         self.stats.steps += 1
         self.stats.tokens += len(arena_slots)

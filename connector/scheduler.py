@@ -93,7 +93,7 @@ class KVMemoryScheduler:
         plan = RequestPlan()
         self.plans[request.request_id] = plan
         prompt = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
-        if params.inject:
+        if params.injects_anything:
             self._pin_injects(request, params, prompt, plan)
         if params.capture is not None:
             view = self.arena.writing_view(params.capture.entry, params.capture.generation)
@@ -112,12 +112,9 @@ class KVMemoryScheduler:
         if not request.cache_salt:
             self._fallback(request, "injection without a cache_salt (injected KV would be shared by token ids)")
             return
-        count = len(params.inject)
-        starts = np.fromiter((p.start for p in params.inject), dtype=np.int64, count=count)
+        ids, gens, starts = params.inject_arrays()
         order = np.argsort(starts, kind="stable")  # serving order; overlapping entries: the first asked wins
-        starts = starts[order]
-        ids = np.fromiter((p.entry for p in params.inject), dtype=np.int64, count=count)[order]
-        gens = np.fromiter((p.generation for p in params.inject), dtype=np.int64, count=count)[order]
+        ids, gens, starts = ids[order], gens[order], starts[order]
         pinned, ok = self.arena.pin_columns(ids, gens)  # one lock for all
         if pinned is None:
             bad = int(np.flatnonzero(~ok)[0])
