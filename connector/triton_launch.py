@@ -66,6 +66,5 @@ class DirectLauncher:
             if compiled is not None:
                 self.kernels[key] = compiled
             return
-        device = args[0].device
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        stream = torch.cuda.current_stream(args[0].device).cuda_stream
         kernel[grid](*args, *(constexprs[n] for n in self.constexpr_names), stream=stream)
