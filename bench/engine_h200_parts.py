@@ -87,17 +87,12 @@ def part_smoke(args) -> dict:
         return round(elapsed / n * 1e6, 1)
 
     small = rows[:64], slots[:64], dist[:64]
-    launches = {
-        "inject": lambda: ti.inject(cache_ref, src, *small, cos, sin, head, True),
-        "inject_4_layers": lambda: ti.inject(cache_ref, src, *small, cos, sin, head, True, 4, 4),
-        "copy_rows": lambda: ti.copy_rows(src, small[0], staging, stage_rows[:64]),
+    micro["launch_host_us"] = {
+        "inject": launch_us(lambda: ti.inject(cache_ref, src, *small, cos, sin, head, True)),
+        "inject_4_layers": launch_us(lambda: ti.inject(cache_ref, src, *small, cos, sin, head, True, 4, 4)),
+        "copy_rows": launch_us(lambda: ti.copy_rows(src, small[0], staging, stage_rows[:64])),
+        "torch_index_copy": launch_us(lambda: staging[0].index_copy_(0, stage_rows[:64], src[0].index_select(0, small[0]))),
     }
-    micro["launch_host_us"] = {"torch_index_copy": launch_us(lambda: staging[0].index_copy_(0, stage_rows[:64], src[0].index_select(0, small[0])))}
-    for direct in (True, False):  # connector.triton_launch's kept kernels, then Triton's own launch
-        for launcher in (ti._INJECT, ti._COPY_ROWS):
-            launcher.enabled = direct
-        for name, fn in launches.items():
-            micro["launch_host_us"][f"{name}_{'direct' if direct else 'triton'}"] = launch_us(fn)
     result["micro"] = micro
     print("micro:", micro, flush=True)
     return result

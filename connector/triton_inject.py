@@ -15,9 +15,6 @@ tier rows (pinned and mapped into the GPU's address space) into the HBM tier or 
 
 `extract` is the capture direction: paged-cache slots -> arena-shaped rows, keys unchanged.
 
-Each is launched through connector.triton_launch.DirectLauncher (the compiled kernel kept and
-launched directly after the first call: host time per launch matters, a step makes up to 15).
-
 The math matches KeyRepositioner.rotate (fp32, then rounded to the cache dtype); tests compare
 the two (tests/test_triton_inject.py, under TRITON_INTERPRET=1 on a CPU machine).
 """
@@ -27,8 +24,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from connector.triton_launch import DirectLauncher
 
 
 # Sizes and offsets that change from step to step are not specialised (no recompilation when a
@@ -196,11 +191,6 @@ def _copy_rows_kernel(
 
 
 # ----------------------------------------------------------------------------- launchers
-_INJECT = DirectLauncher(_inject_kernel, ("src_layer_stride", "n_tokens", "layer_start"))
-_EXTRACT = DirectLauncher(_extract_kernel, ("dst_layer_stride", "n_tokens", "layer_start"))
-_COPY_ROWS = DirectLauncher(_copy_rows_kernel, ("src_layer_stride", "dst_layer_stride", "dst2_layer_stride", "n_rows", "layer_start"))
-
-
 class PagedCacheRef:
     """The layers' paged caches as one base tensor plus per-layer element offsets."""
 
@@ -261,15 +251,29 @@ def inject(
     hd_p2 = _hd_p2(cache.kv_heads, cache.head_size)
     block_t = _block_t(hd_p2)
     grid = (triton.cdiv(n, block_t), layers, 2)
-    _INJECT(
-        grid,
-        (
-            src, src_rows, src.stride(0), cache.base, cache.layer_offsets, cache_slots, distances, cos, sin, cos.stride(0),
-            n, layer_start, cache.block_size, *cache.strides,
-        ),
-        dict(H=cache.kv_heads, D=cache.head_size, HD_P2=hd_p2, ROT=rotary_dim, NEOX=is_neox_style, BLOCK_T=block_t),
+    _inject_kernel[grid](
+        src,
+        src_rows,
+        src.stride(0),
+        cache.base,
+        cache.layer_offsets,
+        cache_slots,
+        distances,
+        cos,
+        sin,
+        cos.stride(0),
+        n,
+        layer_start,
+        cache.block_size,
+        *cache.strides,
+        H=cache.kv_heads,
+        D=cache.head_size,
+        HD_P2=hd_p2,
+        ROT=rotary_dim,
+        NEOX=is_neox_style,
+        BLOCK_T=block_t,
         num_warps=4,
-    )  # fmt: skip
+    )
 
 
 def extract(
@@ -287,10 +291,21 @@ def extract(
         return
     hd_p2 = _hd_p2(cache.kv_heads, cache.head_size)
     block_t = _block_t(hd_p2)
-    _EXTRACT(
-        (triton.cdiv(n, block_t), layers, 2),
-        (cache.base, cache.layer_offsets, cache_slots, dst, dst_rows, dst.stride(0), n, layer_start, cache.block_size, *cache.strides),
-        dict(H=cache.kv_heads, D=cache.head_size, HD_P2=hd_p2, BLOCK_T=block_t),
+    _extract_kernel[(triton.cdiv(n, block_t), layers, 2)](
+        cache.base,
+        cache.layer_offsets,
+        cache_slots,
+        dst,
+        dst_rows,
+        dst.stride(0),
+        n,
+        layer_start,
+        cache.block_size,
+        *cache.strides,
+        H=cache.kv_heads,
+        D=cache.head_size,
+        HD_P2=hd_p2,
+        BLOCK_T=block_t,
         num_warps=4,
     )
 
@@ -316,13 +331,21 @@ def copy_rows(
     block_e = min(1024, triton.next_power_of_2(row))
     has_dst2 = dst2 is not None
     grid = (triton.cdiv(n, 4), layers, triton.cdiv(row, block_e))
-    _COPY_ROWS(
-        grid,
-        (
-            src, src_rows, src.stride(0), dst, dst_rows, dst.stride(0),
-            dst2 if has_dst2 else dst, dst2_rows if has_dst2 else dst_rows, dst2.stride(0) if has_dst2 else 0,
-            n, layer_start,
-        ),
-        dict(ROW=row, BLOCK_R=4, BLOCK_E=block_e, HAS_DST2=has_dst2),
+    _copy_rows_kernel[grid](
+        src,
+        src_rows,
+        src.stride(0),
+        dst,
+        dst_rows,
+        dst.stride(0),
+        dst2 if has_dst2 else dst,
+        dst2_rows if has_dst2 else dst_rows,
+        dst2.stride(0) if has_dst2 else 0,
+        n,
+        layer_start,
+        ROW=row,
+        BLOCK_R=4,
+        BLOCK_E=block_e,
+        HAS_DST2=has_dst2,
         num_warps=4,
-    )  # fmt: skip
+    )

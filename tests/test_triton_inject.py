@@ -115,36 +115,6 @@ def test_fused_inject_equals_torch_path(ti, rope, dtype, hnd) -> None:
     assert torch.equal(k.cpu(), src[1, row_idx[:3], 0])
 
 
-@pytest.mark.skipif(not CUDA, reason="the direct launch is off under Triton's interpreter")
-def test_direct_launches_reuse_the_compiled_kernel_and_agree_with_the_reference(ti) -> None:
-    """connector.triton_launch: after the first launch each kernel runs through its kept
-    CompiledKernel; new data, new sizes and another layer range must still give the reference."""
-    heads, head_size, layers, blocks, block_size, rows = 2, 64, 4, 8, 16, 60
-    repositioner = _repositioner("llama3", head_size)
-    g = torch.Generator().manual_seed(7)
-    for round_, (tokens, start, count) in enumerate([(20, 0, None), (33, 0, None), (9, 1, 2), (41, 2, 2)]):
-        src = torch.randn(layers, rows, 2, heads, head_size, generator=g).to(torch.bfloat16)
-        row_idx = torch.randperm(rows, generator=g)[:tokens]
-        slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
-        distances = torch.randint(-500, 500, (tokens,), generator=g)
-        caches = _caches(layers, blocks, block_size, heads, head_size, torch.bfloat16, False)
-        want = _reference(caches, src, row_idx, slots.to(DEVICE), distances, repositioner)
-        ti.inject(
-            ti.PagedCacheRef(caches), src.to(DEVICE), row_idx.to(DEVICE), slots.to(DEVICE), distances.to(DEVICE),
-            repositioner._cos.to(DEVICE), repositioner._sin.to(DEVICE), repositioner.rotary_dim, repositioner.is_neox_style,
-            start, count,
-        )  # fmt: skip
-        for layer, (got, ref) in enumerate(zip(caches, want)):
-            if count is None or start <= layer < start + count:
-                _compare(got, ref, torch.bfloat16)
-            else:
-                assert torch.isnan(got).all(), "a layer outside the range was written"
-        out = torch.zeros(layers, tokens, 2, heads, head_size, dtype=torch.bfloat16, device=DEVICE)
-        ti.copy_rows(src.to(DEVICE), row_idx.to(DEVICE), out, torch.arange(tokens, device=DEVICE))
-        assert torch.equal(out.cpu(), src[:, row_idx])
-    assert ti._INJECT.enabled and ti._INJECT.kernels and ti._COPY_ROWS.kernels, "no kernel was kept for direct launches"
-
-
 def test_layer_range_extract_and_row_copy(ti) -> None:
     heads, head_size, layers = 2, 32, 4
     caches = _caches(layers, 4, 16, heads, head_size, torch.float32, False)
