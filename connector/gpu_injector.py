@@ -8,11 +8,13 @@ demotion when full). Residency is published to the arena's `page_device` table f
 owner's accounting.
 
 Injection per step (GpuInjector.inject): tokens whose page is resident are injected from the
-HBM tier by one fused kernel over all layers on the compute stream. Other tokens are copied
-from the host tier into a staging buffer (and into the HBM tier where promoted) and injected
-from there; when the engine runs the attention layers eagerly (piecewise CUDA graphs or
-eager mode), that work goes layer group by layer group on a side stream and each attention
-layer waits only for its own group (wait_for_layer_load), so PCIe traffic overlaps the forward.
+HBM tier by one fused kernel over all layers on the compute stream. Other tokens are read by
+the same kernel straight from the pinned, mapped host tier over PCIe; it also stores the rows
+of pages promoted by this read into the HBM tier. When the engine runs the attention layers
+eagerly (piecewise CUDA graphs or eager mode), that kernel goes layer group by layer group on a
+side stream and each attention layer waits only for its own group (wait_for_layer_load), so
+PCIe traffic overlaps the forward. (Where pinning failed, host rows are gathered on the CPU into
+a staging buffer and injected from there.)
 When a FULL CUDA graph will replay (no per-layer hooks run), everything is issued on the
 compute stream before the forward. Nothing is ever captured into a graph.
 """
@@ -112,10 +114,13 @@ class GpuInjector:
         row0, slot0, none = self._to_device(np.zeros(1), np.zeros(1), np.full(1, -1))
         staging = self._ensure_staging(1)
         src = self.host if self.host is not None else staging
-        self.kernels.copy_rows(src, row0, staging, row0)
-        self.kernels.copy_rows(src, row0, staging, row0, self.tier if self.tier.shape[1] else staging, none)
+        if self.host is None:  # the pageable fallback's staging -> HBM tier copy (nothing is resident yet)
+            self.kernels.copy_rows(staging, row0, self.tier if self.tier.shape[1] else staging, row0)
+        tier = self.tier if self.tier.shape[1] else staging
         self._inject(staging, row0, slot0, row0)  # all layers (distance 0)
         self._inject(staging, row0, slot0, row0, 1, 1)  # a layer range
+        self._inject(src, row0, slot0, row0, dst2=tier, dst2_rows=none)  # from the host tier, promoting (to no row)
+        self._inject(src, row0, slot0, row0, 1, 1, tier, none)
         self.kernels.extract(self.cache, slot0, staging, row0)
         torch.cuda.current_stream(self.device).synchronize()
 
@@ -229,30 +234,39 @@ class GpuInjector:
         row_slot = new_slots[miss_page_of_row]
         tier_rows = np.where(row_slot >= 0, row_slot * pt + miss_rows % pt, -1)
         self.stats.miss_tokens += n_miss
-        staging = self._ensure_staging(len(miss_rows))
-        stage_rows = np.arange(len(miss_rows), dtype=np.int64)
-
-        layerwise = layerwise and self.on_cuda and self.host is not None
-        if self.host is None:  # pageable fallback: gather on the CPU, one copy to the device
-            staging[:, : len(miss_rows)].copy_(self.arena.kv.index_select(1, torch.from_numpy(miss_rows)))
-        (
-            hit_rows_d, hit_slots_d, hit_dist_d,
-            host_rows_d, stage_rows_d, tier_rows_d,
-            tok_stage_d, miss_slots_d, miss_dist_d,
-        ) = self._to_device(
-            hit_rows, cache_slots[hit], distances[hit],
-            miss_rows, stage_rows, tier_rows,
-            miss_token_stage, cache_slots[miss], distances[miss],
-        )  # fmt: skip
         promote_any = bool((tier_rows >= 0).any())
-        if len(hit_rows):
-            self._inject(self.tier, hit_rows_d, hit_slots_d, hit_dist_d)
-        if not layerwise:
-            if self.host is not None:
-                self.kernels.copy_rows(self.host, host_rows_d, staging, stage_rows_d, self.tier if promote_any else None, tier_rows_d)
-            elif promote_any:
+
+        if self.host is None:  # pageable fallback: gather on the CPU, one copy to the device, inject from there
+            staging = self._ensure_staging(len(miss_rows))
+            staging[:, : len(miss_rows)].copy_(self.arena.kv.index_select(1, torch.from_numpy(miss_rows)))
+            (
+                hit_rows_d, hit_slots_d, hit_dist_d,
+                stage_rows_d, tier_rows_d, tok_stage_d, miss_slots_d, miss_dist_d,
+            ) = self._to_device(
+                hit_rows, cache_slots[hit], distances[hit],
+                np.arange(len(miss_rows)), tier_rows, miss_token_stage, cache_slots[miss], distances[miss],
+            )  # fmt: skip
+            if len(hit_rows):
+                self._inject(self.tier, hit_rows_d, hit_slots_d, hit_dist_d)
+            if promote_any:
                 self.kernels.copy_rows(staging, stage_rows_d, self.tier, tier_rows_d)
             self._inject(staging, tok_stage_d, miss_slots_d, miss_dist_d)
+            return
+
+        # pinned and mapped host tier: one kernel per layer range reads each token's row over
+        # PCIe, injects it, and stores it into the HBM tier where its page is promoted
+        (
+            hit_rows_d, hit_slots_d, hit_dist_d,
+            host_rows_d, miss_slots_d, miss_dist_d, tier_rows_d,
+        ) = self._to_device(
+            hit_rows, cache_slots[hit], distances[hit],
+            arena_slots[miss], cache_slots[miss], distances[miss], tier_rows[miss_token_stage],
+        )  # fmt: skip
+        tier = self.tier if promote_any else None
+        if len(hit_rows):
+            self._inject(self.tier, hit_rows_d, hit_slots_d, hit_dist_d)
+        if not (layerwise and self.on_cuda):
+            self._inject(self.host, host_rows_d, miss_slots_d, miss_dist_d, dst2=tier, dst2_rows=tier_rows_d)
             return
 
         self.stats.layerwise_steps += 1
@@ -261,19 +275,15 @@ class GpuInjector:
         side.wait_stream(compute)  # blocks and buffers of earlier steps are settled
         with torch.cuda.stream(side):
             for gi, (start, end) in enumerate(self.groups):
-                n = end - start
-                self.kernels.copy_rows(
-                    self.host, host_rows_d, staging, stage_rows_d, self.tier if promote_any else None, tier_rows_d, start, n
-                )
-                self._inject(staging, tok_stage_d, miss_slots_d, miss_dist_d, start, n)
+                self._inject(self.host, host_rows_d, miss_slots_d, miss_dist_d, start, end - start, tier, tier_rows_d)
                 self.events[gi].record(side)
-        keep = [staging, host_rows_d]
-        for t in keep:
-            t.record_stream(side)
-        self.pending = _Pending(self.events, self.group_of_layer, [False] * len(self.groups), keep)
+        host_rows_d.record_stream(side)  # every index array is a view of this one device buffer
+        self.pending = _Pending(self.events, self.group_of_layer, [False] * len(self.groups), [host_rows_d])
 
-    def _inject(self, src, rows, slots, dist, start: int = 0, n: int | None = None) -> None:
-        self.kernels.inject(self.cache, src, rows, slots, dist, self.cos, self.sin, self.rotary_dim, self.is_neox_style, start, n)
+    def _inject(self, src, rows, slots, dist, start: int = 0, n: int | None = None, dst2=None, dst2_rows=None) -> None:
+        self.kernels.inject(
+            self.cache, src, rows, slots, dist, self.cos, self.sin, self.rotary_dim, self.is_neox_style, start, n, dst2, dst2_rows
+        )
 
     def wait_layer(self, layer_index: int) -> None:
         pending = self.pending

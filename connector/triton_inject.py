@@ -28,7 +28,7 @@ import triton.language as tl
 
 # Sizes and offsets that change from step to step are not specialised (no recompilation when a
 # token count happens to be 1 or a multiple of 16).
-@triton.jit(do_not_specialize=["src_layer_stride", "n_tokens", "layer_start"])
+@triton.jit(do_not_specialize=["src_layer_stride", "n_tokens", "layer_start", "dst2_layer_stride"])
 def _inject_kernel(
     src_ptr,
     src_rows_ptr,
@@ -47,12 +47,16 @@ def _inject_kernel(
     stride_kv,
     stride_off,
     stride_head,
+    dst2_ptr,
+    dst2_rows_ptr,
+    dst2_layer_stride,
     H: tl.constexpr,
     D: tl.constexpr,
     HD_P2: tl.constexpr,
     ROT: tl.constexpr,
     NEOX: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    HAS_DST2: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     layer = (layer_start + tl.program_id(1)).to(tl.int64)
@@ -68,7 +72,13 @@ def _inject_kernel(
 
     rows = tl.load(src_rows_ptr + t, mask=t_mask, other=0).to(tl.int64)
     row_base = src_ptr + layer * src_layer_stride + rows[:, None] * (2 * H * D) + kv * (H * D)
-    x = tl.load(row_base + e[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_stored = tl.load(row_base + e[None, :], mask=mask, other=0.0)
+    x = x_stored.to(tl.float32)
+    if HAS_DST2:  # the row as stored (keys unrotated) into a second arena-shaped tensor where dst2_rows >= 0
+        rows2 = tl.load(dst2_rows_ptr + t, mask=t_mask, other=-1).to(tl.int64)
+        mask2 = mask & (rows2 >= 0)[:, None]
+        dst2 = dst2_ptr + layer * dst2_layer_stride + rows2[:, None] * (2 * H * D) + kv * (H * D) + e[None, :]
+        tl.store(dst2, x_stored.to(dst2_ptr.dtype.element_ty), mask=mask2)
 
     # partner element of each rotated dim and the sign of its sin term
     if NEOX:
@@ -90,7 +100,10 @@ def _inject_kernel(
     table_off = mag[:, None] * table_stride + ci[None, :]
     c = tl.load(cos_ptr + table_off, mask=rot_mask, other=1.0)
     s = tl.load(sin_ptr + table_off, mask=rot_mask, other=0.0) * dsign[:, None]
-    xp = tl.load(row_base + (h * D + partner)[None, :], mask=rot_mask, other=0.0).to(tl.float32)
+    # the partner elements from the row already in registers (a second load would cross PCIe
+    # again when src is the mapped host tier); padding lanes point at themselves
+    partner_e = tl.where(e_mask, h * D + partner, e)
+    xp = tl.gather(x, tl.broadcast_to(partner_e[None, :], (BLOCK_T, HD_P2)), 1)
     out = x * c + (sgn[None, :] * xp) * s  # = x where not rotated (c = 1, s = 0)
 
     slots = tl.load(cache_slots_ptr + t, mask=t_mask, other=0).to(tl.int64)
@@ -236,11 +249,15 @@ def inject(
     is_neox_style: bool,
     layer_start: int = 0,
     num_layers: int | None = None,
+    dst2: torch.Tensor | None = None,
+    dst2_rows: torch.Tensor | None = None,
 ) -> None:
-    """Paged cache slots[t] of layers [layer_start, +num_layers) <- src rows[t], keys rotated by distances[t].
+    """Paged cache slots[t] of layers [layer_start, +num_layers) <- src rows[t], keys rotated by distances[t];
+    with dst2, also dst2[l, dst2_rows[t]] <- src[l, rows[t]] as stored where dst2_rows[t] >= 0.
 
-    src: [num_layers, rows, 2, kv_heads, head_size], contiguous; cos/sin: [max_distance + 1,
-    rotary_dim // 2] fp32 (KeyRepositioner's table) on the cache's device.
+    src (the HBM tier, a staging buffer, or the mapped host tier) and dst2: [num_layers, rows, 2,
+    kv_heads, head_size], contiguous; cos/sin: [max_distance + 1, rotary_dim // 2] fp32
+    (KeyRepositioner's table) on the cache's device.
     """
     n = int(src_rows.shape[0])
     layers = cache.num_layers - layer_start if num_layers is None else num_layers
@@ -266,12 +283,16 @@ def inject(
         layer_start,
         cache.block_size,
         *cache.strides,
+        dst2 if dst2 is not None else src,
+        dst2_rows if dst2 is not None else src_rows,
+        dst2.stride(0) if dst2 is not None else 0,
         H=cache.kv_heads,
         D=cache.head_size,
         HD_P2=hd_p2,
         ROT=rotary_dim,
         NEOX=is_neox_style,
         BLOCK_T=block_t,
+        HAS_DST2=dst2 is not None,
         num_warps=4,
     )
 

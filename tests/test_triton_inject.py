@@ -214,6 +214,15 @@ def test_gpu_injector_tiers_match_the_torch_path(ti, shm_path) -> None:
     step([reused.entry_id])
     assert injector.stats.hit_tokens == hits_before  # same pages as entry 4, new generation: misses
 
+    # one entry placed twice in a step, read from the host tier: both placements right, its page promoted once
+    assert injector.drop_device_tier() > 0 and arena.usage()["device_pages_resident"] == 0
+    promoted = injector.stats.promoted_pages
+    step([e[1], e[1]])
+    assert injector.stats.promoted_pages == promoted + 1
+    hits_before = injector.stats.hit_tokens
+    step([e[1]])
+    assert injector.stats.hit_tokens == hits_before + 5
+
     # capture: paged cache -> host arena and (free slots only) the HBM tier
     assert injector.drop_device_tier() > 0 and arena.usage()["device_pages_resident"] == 0
     target = arena.allocate(list(range(11)), encode_start=0)
