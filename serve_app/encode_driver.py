@@ -58,7 +58,8 @@ def _prompt(job: EncodeJob):
 def _capture_params(job: EncodeJob):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": job.kv_transfer_params()})
+    # made fresh per job: skip_clone spares vLLM's deep copy of it (as its OpenAI protocol does)
+    return SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": job.kv_transfer_params()}, skip_clone=True)
 
 
 def _captured(output: Any) -> bool:
