@@ -162,8 +162,7 @@ class GpuInjector:
         host = torch.empty(offset, dtype=torch.int64, pin_memory=self.on_cuda)
         packed = host.numpy()
         for start, a in zip(starts, arrays):
-            packed[start : start + len(a)] = a
-            packed[start + len(a) : start + len(a) + (len(a) & 1)] = 0
+            packed[start : start + len(a)] = a  # (the odd arrays' padding is never read)
         device = host.to(self.device, non_blocking=True) if self.on_cuda else host
         return [device[start : start + len(a)] for start, a in zip(starts, arrays)]
 

@@ -46,12 +46,32 @@ def test_the_list_form_a_person_writes_is_still_accepted() -> None:
         {"inject_columns": {"entry": [1], "generation": [0], "start": [0]}},
         {"inject_columns": {"entry": [-1], "generation": [1], "start": [0]}},
         {"inject_columns": {"entry": [1], "generation": [1], "start": [0], "extra": [1]}},
+        {"inject_columns": {"entry": [2**63], "generation": [1], "start": [0]}},
+        {"inject_columns": {"entry": [1], "generation": [1], "start": [2**40]}},
+        {"inject": [{"entry": 1, "generation": 2**64, "start": 0}]},
     ],
-    ids=["both-forms", "unequal-lengths", "generation-0", "negative-entry", "unknown-field"],
+    ids=["both-forms", "unequal-lengths", "generation-0", "negative-entry", "unknown-field", "entry-beyond-int64",
+         "start-beyond-any-context", "list-form-generation-beyond-int64"],
 )
 def test_malformed_columns_are_refused(body: dict) -> None:
     with pytest.raises(ValidationError):
         KVMemoryParams.from_kv_transfer_params({"kvmem": body})
+
+
+def test_the_scheduler_answers_out_of_range_values_with_a_prefill_not_an_error(tmp_path) -> None:
+    """A client of vLLM's own server can send any kv_transfer_params: a value numpy cannot hold
+    must not reach the connector's arithmetic (an exception there would fail the engine step)."""
+    arena = FactArena.create(tmp_path / "arena", ArenaGeometry(num_layers=1, num_kv_heads=1, head_size=8, dtype="float32", num_pages=4, max_entries=4))
+    try:
+        side = KVMemoryScheduler(arena, block_size=8)
+        request = types.SimpleNamespace(
+            request_id="r", kv_transfer_params={"kvmem": {"inject_columns": {"entry": [2**70], "generation": [1], "start": [0]}}},
+            prompt_token_ids=[1, 2, 3], cache_salt="salt", num_prompt_tokens=3,
+        )  # fmt: skip
+        assert side.get_num_new_matched_tokens(request, 0) == 0
+        assert side.fallbacks == 1
+    finally:
+        arena.close()
 
 
 def test_no_inject_is_nothing_to_inject() -> None:

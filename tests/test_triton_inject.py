@@ -131,6 +131,18 @@ def test_layer_range_extract_and_row_copy(ti) -> None:
             assert torch.equal(dst[layer, rows, 0], k) and torch.equal(dst[layer, rows, 1], v)
         else:
             assert not dst[layer].any()
+    # inject's second destination: the rows as stored (keys unrotated), only where a row is given, only in range
+    repositioner = _repositioner("llama3", head_size)
+    tier = torch.zeros_like(dst)
+    ti.inject(
+        cache_ref, dst, rows, slots, torch.tensor([5, 0, 9, 2], device=DEVICE), repositioner._cos.to(DEVICE),
+        repositioner._sin.to(DEVICE), repositioner.rotary_dim, repositioner.is_neox_style, 1, 2, tier, torch.tensor([7, -1, 3, 0], device=DEVICE),
+    )  # fmt: skip
+    for layer in range(layers):
+        if layer in (1, 2):
+            assert torch.equal(tier[layer, [7, 3, 0]], dst[layer, rows[[0, 2, 3]]]) and not tier[layer, [1, 2, 4, 5, 6, 8, 9]].any()
+        else:
+            assert not tier[layer].any()
     out, out2 = torch.zeros_like(dst), torch.zeros_like(dst)
     ti.copy_rows(dst, rows, out, torch.tensor([0, 1, 2, 3], device=DEVICE), out2, torch.tensor([5, -1, 6, -1], device=DEVICE))
     assert torch.equal(out[:, :4], dst[:, rows])
