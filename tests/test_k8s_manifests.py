@@ -28,6 +28,7 @@ CRD_PATH = Path(__file__).resolve().parents[2] / "shared/k8s/ray.io_rayservices.
 RAYSERVICE_PATH = REPO / "k8s/rayservice.yaml"
 REDIS_PATH = REPO / "k8s/redis.yaml"
 CONFIG_PATH = REPO / "config.yaml"
+GPU_CONFIG_PATH = REPO / "config.gpu.yaml"
 IMPORT_PATH = "serve_app.app:build_app"
 
 
@@ -162,6 +163,15 @@ def test_rayservice_runs_the_config_yaml_application_on_gpus(clean_env: None) ->
     assert settings.engine.dtype == "bfloat16"
     assert settings.llm_replica_num_gpus + settings.shard_num_gpus == 1  # engine and shard share each GPU
     assert settings.redis_url is None, "the Redis address comes from REDIS_URL in the containers"
+
+
+def test_rayservice_runs_config_gpu_yaml_settings(clean_env: None) -> None:
+    """The cluster runs what `serve run config.gpu.yaml` runs and docs/gpu.md measures (CUDA graphs,
+    block size, HBM tier, ...): the two application args make the same settings."""
+    local = ServiceSettings.from_args(yaml.safe_load(GPU_CONFIG_PATH.read_text())["applications"][0]["args"])
+    cluster = ServiceSettings.from_args(serve_config("serveConfigV2")["applications"][0]["args"])
+    assert cluster.model_dump() == local.model_dump()
+    assert cluster.engine.enforce_eager is False
 
 
 def test_gpu_workers_fit_the_llm_replicas(rayservice: dict[str, Any], clean_env: None) -> None:
