@@ -5,13 +5,23 @@ the caller's node. Ray restarts it when it dies (max_restarts=-1) and retries th
 were in flight (max_task_retries=-1); every shard method that writes is idempotent (fact
 records are de-duplicated in Redis), so a retried call makes no duplicates. Calls run one at a
 time, in the order they arrive (not the order they were sent: see allow_out_of_order_execution).
+
+The actor is a ShardActor: the MemoryShard plus its plan channel (actors.plan_channel), a thread
+that answers chat plans without a Ray round trip. One lock makes the channel's plans and Ray's
+calls take turns, so the shard still runs one call at a time.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+import threading
+from typing import Any, Callable
 
+from actors.plan_channel import PlanRequest, PlanServer, plan_channel_address
+from memory.planner import ChatPlan
 from memory.settings import MemorySettings
+from memory.shard import MemoryShard
 
 
 # Restarted when its process dies, its in-flight calls retried; calls run as they arrive.
@@ -27,6 +37,39 @@ SHARD_ACTOR_OPTIONS: dict[str, Any] = {
     "allow_out_of_order_execution": True,
     "num_cpus": 0,
 }
+
+
+def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def locked(self: "ShardActor", *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+class ShardActor(MemoryShard):
+    """A MemoryShard whose every public method runs under `lock`, serving chat plans on its
+    plan channel too (module docstring). Ray runs this class; tests and scripts may run a plain
+    MemoryShard in-process."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.lock = threading.RLock()  # re-entrant: plan_chat calls search
+        with self.lock:
+            super().__init__(*args, **kwargs)
+        self.plan_server = PlanServer(self._plan, plan_channel_address(self.arena_path()), self.lock).start()
+
+    def _plan(self, request: PlanRequest) -> ChatPlan:
+        return MemoryShard.plan_chat(
+            self, request.user_id, request.messages, request.k, request.mode, request.max_prompt_tokens, request.prefill_top_m
+        )
+
+
+# Every public method of MemoryShard, wrapped here rather than written out: a method added to the
+# shard later is serialized with the plan channel without anyone having to remember it.
+for _name, _method in inspect.getmembers(MemoryShard, inspect.isfunction):
+    if not _name.startswith("_"):
+        setattr(ShardActor, _name, _one_at_a_time(_method))
 
 
 def shard_actor_name(namespace: str, shard_id: int) -> str:
@@ -46,9 +89,7 @@ def start_shard_actor(
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from memory.shard import MemoryShard
-
-    actor = ray.remote(MemoryShard).options(
+    actor = ray.remote(ShardActor).options(
         name=shard_actor_name(namespace, shard_id),
         get_if_exists=True,
         **SHARD_ACTOR_OPTIONS,

@@ -4,18 +4,26 @@ Every call the replica makes into the shard's process goes through one method he
 typed like the shard's own (memory.shard.MemoryShard), each bounded by a timeout. Ray wraps an
 exception raised inside the actor; the client re-raises the shard's own exception (UnknownFact,
 ArenaError, ...) so callers handle domain errors, not Ray's wrapper.
+
+Chat plans, the one call on every chat request's path, go over the shard's plan channel when
+the client has one (actors.plan_channel: a local socket, no Ray round trip); when the channel
+does not answer in time (the shard restarting), the plan is asked for through Ray instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Awaitable, Sequence, TypeVar
 
+from actors.plan_channel import PlanChannelTimeout, PlanClient, PlanRequest
 from memory.fact_store import FactEvent, FactRecord, NewFact, Turn
 from memory.planner import ChatPlan, MemoryHit
 from memory.kv_lifecycle import EncodeJob, EncodeOutcome
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 class ShardTimeout(TimeoutError):
@@ -49,9 +57,11 @@ class _InProcessActor:
 class ShardClient:
     """Async, typed, time-bounded calls to one MemoryShard actor (see the module docstring)."""
 
-    def __init__(self, actor: Any, timeout_s: float = 30.0) -> None:
+    def __init__(self, actor: Any, timeout_s: float = 30.0, plan_channel: PlanClient | None = None) -> None:
         self.actor = actor
         self.timeout_s = timeout_s
+        self.plan_channel = plan_channel
+        self.plans_over_ray = 0  # plans the channel did not answer in time, asked for through Ray
 
     @classmethod
     def in_process(cls, shard: Any, timeout_s: float = 300.0) -> "ShardClient":
@@ -115,6 +125,13 @@ class ShardClient:
         self, user_id: str, messages: Sequence[dict[str, str]], k: int | None, mode: str, max_prompt_tokens: int | None,
         prefill_top_m: int | None = None,
     ) -> ChatPlan:
+        if self.plan_channel is not None:
+            request = PlanRequest(user_id, list(messages), k, mode, max_prompt_tokens, prefill_top_m)
+            try:
+                return await self.plan_channel.plan(request)
+            except PlanChannelTimeout as exc:
+                self.plans_over_ray += 1
+                logger.warning("%s; asking through Ray", exc)
         return await self._wait(self.actor.plan_chat.remote(user_id, list(messages), k, mode, max_prompt_tokens, prefill_top_m))
 
     # ---------------------------------------------------------------- encoding (memory.shard.EncodeQueue)

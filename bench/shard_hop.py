@@ -6,7 +6,9 @@ the shard's work: an async caller actor awaits, one at a time, a synchronous act
 the shard's own options (SHARD_ACTOR_OPTIONS) that returns
 - nothing (Ray's own round trip), and
 - a realistic ChatPlan (memory.planner) of k facts: token ids, injection params and k hits,
-so the difference is the plan's serialization. Also the plan's pickle + unpickle alone.
+so the difference is the plan's serialization. Also the plan's pickle + unpickle alone, and the
+same two answers over a ZeroMQ socket served by a thread of the shard's process (`ipc_*`: what
+actors.plan_channel does for chat plans).
 
     .venv/bin/python -m bench.shard_hop [--k 10,50] [--out bench/results/shard_hop_cpu.json]
 
@@ -64,6 +66,22 @@ def main() -> None:
         def noop(self) -> None:
             return None
 
+        def serve_ipc(self, address: str) -> None:
+            """The same plans over a ZeroMQ socket served by a thread of the actor's process."""
+            import threading
+
+            import zmq
+
+            socket = zmq.Context.instance().socket(zmq.REP)
+            socket.bind(address)
+
+            def serve() -> None:
+                while True:
+                    k = int(socket.recv())
+                    socket.send(pickle.dumps(plans[k]) if k else b"")
+
+            threading.Thread(target=serve, daemon=True).start()
+
         def plan(self, k: int):
             return plans[k]
 
@@ -83,6 +101,22 @@ def main() -> None:
             out = {"noop": await timed(lambda: shard.noop.remote())}
             for k in ks:
                 out[f"plan_k{k}"] = await timed(lambda k=k: shard.plan.remote(k))
+            import zmq
+            import zmq.asyncio
+
+            address = f"ipc:///tmp/kvmem-shard-hop-{os.getpid()}"
+            await shard.serve_ipc.remote(address)
+            socket = zmq.asyncio.Context.instance().socket(zmq.REQ)
+            socket.connect(address)
+
+            async def over_ipc(k: int):
+                await socket.send(str(k).encode())
+                reply = await socket.recv()
+                return pickle.loads(reply) if reply else None
+
+            out["ipc_noop"] = await timed(lambda: over_ipc(0))
+            for k in ks:
+                out[f"ipc_plan_k{k}"] = await timed(lambda k=k: over_ipc(k))
             return out
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)

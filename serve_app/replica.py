@@ -76,7 +76,7 @@ class MemoryLLM:
         kv_dtype = resolve_dtype(settings.engine)  # the shard's arena holds KV of the dtype engine_kwargs gives vLLM
         actor, self.keeper = start_backends(settings, shard_id, model, kv_dtype)
         self.keeper.on_swap = lambda engine: setattr(self.driver, "engine", engine)
-        self.shard = ShardClient(actor, timeout_s=settings.shard_call_timeout_s)
+        self.shard = ShardClient(actor, timeout_s=settings.shard_call_timeout_s, plan_channel=self._plan_channel(settings, shard_id))
         self.watchdog = ShardWatchdog(self.shard, settings.health_timeout_s, settings.shard_restart_after_s)
         self._driver_task: asyncio.Task | None = None
         self._stats_exported_at = 0.0
@@ -100,6 +100,17 @@ class MemoryLLM:
 
         timeout = settings.memory.encode_request_timeout_s
         self.driver = EncodeDriver(self.shard, self.engine, settings.memory.encode_batch, on_batch, request_timeout_s=timeout)
+
+    @staticmethod
+    def _plan_channel(settings: ServiceSettings, shard_id: int) -> Any:
+        """The shard's plan channel (actors.plan_channel), unless settings turn it off."""
+        from actors.plan_channel import PlanClient, plan_channel_address
+        from memory.shard import arena_path_of
+
+        if settings.plan_channel_timeout_s is None:
+            return None
+        arena = arena_path_of(settings.memory, settings.namespace, shard_id)
+        return PlanClient(plan_channel_address(str(arena)), settings.plan_channel_timeout_s)
 
     @property
     def engine(self) -> Any:
@@ -308,7 +319,9 @@ class MemoryLLM:
         self._ensure_driver()
         result = await self.shard.stats()
         self._export_stats(result)
-        return result
+        channel = self.shard.plan_channel
+        # how this replica's chat plans travel: the shard's plan channel, and how many fell back to Ray
+        return {**result, "plan_channel": channel.address if channel else None, "plans_over_ray": self.shard.plans_over_ray}
 
     def _export_stats(self, stats: dict[str, Any]) -> None:
         shard = str(self.shard_id)

@@ -129,6 +129,13 @@ class ServiceSettings(BaseSettings):
     shard_call_timeout_s: float = Field(
         30.0, gt=0, description="Most seconds a replica waits for its memory shard actor on one call."
     )
+    plan_channel_timeout_s: float | None = Field(
+        5.0,
+        gt=0,
+        description="Chat plans come from the memory shard over a local socket (actors.plan_channel), not a Ray call; "
+        "this is the most seconds a plan waits there before it is asked for through Ray instead (the shard "
+        "restarting). None: plans through Ray only.",
+    )
     engine_restart_timeout_s: float = Field(
         300.0,
         gt=0,

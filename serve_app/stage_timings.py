@@ -2,9 +2,9 @@
 
 Every chat request records, in milliseconds, where its time went before the first token:
 on the replica `prepare` (all work before the engine: the shard's plan or the chat template),
-`plan_call` (the round trip to the memory shard actor), inside the shard `shard_embed`,
-`shard_search` and `shard_compose`, `shard_hop` (plan_call minus the shard's own work: Ray's
-actor hop and serialisation), `engine_ttft` (engine.generate to the first token) and
+`plan_call` (the round trip to the memory shard actor: its plan channel, or Ray when that
+does not answer), inside the shard `shard_embed`, `shard_search` and `shard_compose`,
+`shard_hop` (plan_call minus the shard's own work: the hop and serialisation), `engine_ttft` (engine.generate to the first token) and
 `replica_ttft` (replica entry to the first token); on the ingress `auth`, `route` and
 `replica_first_event` (the handle call to the first streamed event). The replica's stages go
 into the answer's `timings` field, the ingress's into a standard `Server-Timing` header, and

@@ -1,0 +1,190 @@
+"""The plan channel (actors.plan_channel): chat plans from the shard over a local ZeroMQ socket.
+
+The protocol tests answer with a small planning function on a real PlanServer thread; the last
+test runs the real shard actor (Ray, Redis, SmolLM2, MiniLM) and compares the channel's plans
+with the ones Ray's call returns, across a shard restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import pytest
+
+from actors.plan_channel import PlanChannelTimeout, PlanClient, PlanRequest, PlanServer, plan_channel_address
+from actors.shard_actor import ShardActor
+from actors.shard_client import ShardClient
+from memory.planner import ChatPlan
+from memory.shard import MemoryShard
+
+
+def fresh_address() -> str:
+    return plan_channel_address(f"/dev/shm/test-{uuid.uuid4().hex}")
+
+
+def echo_plan(request: PlanRequest) -> ChatPlan:
+    """A plan that says which request it answers."""
+    if request.mode == "boom":
+        raise ValueError(f"no plan for {request.user_id}")
+    return ChatPlan(prompt_token_ids=[len(request.user_id), request.k or 0], mode=request.mode, cache_salt=request.user_id)
+
+
+def ask(user: str, k: int = 5, mode: str = "kv") -> PlanRequest:
+    return PlanRequest(user, [{"role": "user", "content": "hi"}], k, mode, None)
+
+
+@pytest.fixture()
+def server():
+    lock = threading.RLock()
+    started = PlanServer(echo_plan, fresh_address(), lock).start()
+    assert started.bound.wait(5)
+    yield started
+    started.close()
+
+
+def test_many_plans_in_flight_each_get_their_own_answer(server: PlanServer) -> None:
+    async def main() -> list[ChatPlan]:
+        client = PlanClient(server.address, timeout_s=10)
+        try:
+            return await asyncio.gather(*(client.plan(ask(f"user-{i}", k=i)) for i in range(64)))
+        finally:
+            client.close()
+
+    plans = asyncio.run(main())
+    assert [p.cache_salt for p in plans] == [f"user-{i}" for i in range(64)]
+    assert [p.prompt_token_ids[1] for p in plans] == list(range(64))
+
+
+def test_the_shards_error_is_raised_in_the_replica(server: PlanServer) -> None:
+    async def main() -> None:
+        client = PlanClient(server.address, timeout_s=10)
+        try:
+            with pytest.raises(ValueError, match="no plan for dana"):
+                await client.plan(ask("dana", mode="boom"))
+            assert (await client.plan(ask("dana"))).cache_salt == "dana"  # the channel goes on
+        finally:
+            client.close()
+
+    asyncio.run(main())
+
+
+def test_a_channel_nobody_serves_times_out() -> None:
+    async def main() -> float:
+        client = PlanClient(fresh_address(), timeout_s=0.3)
+        started = time.perf_counter()
+        try:
+            with pytest.raises(PlanChannelTimeout):
+                await client.plan(ask("dana"))
+        finally:
+            client.close()
+        return time.perf_counter() - started
+
+    assert asyncio.run(main()) < 2.0
+
+
+def test_plans_wait_for_the_shards_lock(server: PlanServer) -> None:
+    """While a Ray call holds the shard (its lock), a plan waits: one call at a time."""
+
+    async def main() -> None:
+        client = PlanClient(server.address, timeout_s=10)
+        try:
+            with server.lock:
+                pending = asyncio.ensure_future(client.plan(ask("dana")))
+                await asyncio.sleep(0.3)
+                assert not pending.done()
+            assert (await pending).cache_salt == "dana"
+        finally:
+            client.close()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_shard_binds_the_address_again_and_the_client_reconnects() -> None:
+    address = fresh_address()
+    first = PlanServer(echo_plan, address, threading.RLock()).start()
+    assert first.bound.wait(5)
+    second = PlanServer(echo_plan, address, threading.RLock()).start()
+    try:
+        assert not second.bound.wait(0.6)  # the address is still held
+
+        async def main() -> None:
+            client = PlanClient(address, timeout_s=10)
+            try:
+                assert (await client.plan(ask("before"))).cache_salt == "before"
+                first.close()
+                assert await asyncio.to_thread(second.bound.wait, 5)
+                assert (await client.plan(ask("after"))).cache_salt == "after"
+            finally:
+                client.close()
+
+        asyncio.run(main())
+    finally:
+        first.close()
+        second.close()
+
+
+def test_the_client_asks_through_ray_when_the_channel_does_not_answer() -> None:
+    class Planner:  # what the client's Ray path calls: plan_chat with the shard's signature
+        def plan_chat(self, user_id, messages, k, mode, max_prompt_tokens, prefill_top_m):
+            return echo_plan(PlanRequest(user_id, messages, k, mode, max_prompt_tokens, prefill_top_m))
+
+    client = ShardClient.in_process(Planner())
+    client.plan_channel = PlanClient(fresh_address(), timeout_s=0.2)
+    plan = asyncio.run(client.plan_chat("dana", [{"role": "user", "content": "hi"}], 7, "kv", None))
+    assert (plan.cache_salt, plan.prompt_token_ids) == ("dana", [4, 7])
+    assert client.plans_over_ray == 1
+
+
+def test_every_public_shard_method_runs_under_the_lock() -> None:
+    public = [name for name in vars(MemoryShard) if not name.startswith("_") and callable(getattr(MemoryShard, name))]
+    assert "plan_chat" in public and "add_facts" in public
+    for name in public:
+        assert getattr(ShardActor, name).__wrapped__ is getattr(MemoryShard, name), name
+
+
+@pytest.mark.slow
+def test_the_shard_actor_plans_over_its_channel_as_over_ray_also_after_a_restart(smollm2_dir, redis_server) -> None:
+    import ray
+
+    from actors.shard_actor import start_shard_actor
+    from memory.fact_store import NewFact
+    from tests.test_memory_shard import shard_settings
+
+    settings = shard_settings(window_turns=0)
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    try:
+        actor = start_shard_actor(0, settings, str(smollm2_dir), "float32", redis_server.url, uuid.uuid4().hex[:8])
+        arena = ray.get(actor.ready.remote(), timeout=300)["arena"]
+        over_ray = ShardClient(actor, timeout_s=60)
+        over_channel = ShardClient(actor, timeout_s=60, plan_channel=PlanClient(plan_channel_address(arena), timeout_s=60))
+        facts = ["Dana's dog is called Biscuit.", "Dana lives in Lisbon.", "Dana plays the cello.", "Sam likes tea."]
+
+        async def plans() -> list[ChatPlan]:
+            for text in facts:
+                await over_ray.add_facts("sam" if text.startswith("Sam") else "dana", [NewFact(text=text)])
+            question = [{"role": "user", "content": "What is my dog called?"}]
+            return [await client.plan_chat("dana", question, 2, "kv", None) for client in (over_ray, over_channel)]
+
+        def same(a: ChatPlan, b: ChatPlan) -> None:
+            assert a.prompt_token_ids == b.prompt_token_ids and a.cache_salt == b.cache_salt
+            assert [h.fact_id for h in a.facts] == [h.fact_id for h in b.facts] and len(a.facts) == 2
+            assert "Sam likes tea." not in [h.text for h in a.facts]
+
+        same(*asyncio.run(plans()))
+        first_pid = ray.get(actor.ready.remote())["pid"]
+        ray.kill(actor, no_restart=False)  # Ray restarts it; its channel is bound again by the new process
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if ray.get(actor.ready.remote(), timeout=60)["pid"] != first_pid:
+                    break
+            except Exception:  # still restarting
+                if time.monotonic() > deadline:
+                    raise
+        same(*asyncio.run(plans()))  # the facts were durable: the same plans, from the restarted shard
+        assert over_channel.plans_over_ray == 0
+    finally:
+        ray.shutdown()
