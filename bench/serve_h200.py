@@ -56,6 +56,7 @@ APP_WHEELS = CUVS_WHEELS + [
     "greenlet", "python-engineio", "python-socketio", "bidict", "simple-websocket", "wsproto", "zope.event",
     "zope.interface", "blinker", "itsdangerous", "werkzeug", "brotli", "websocket-client", "psutil",
 ]
+PY_SPY_WHEEL = "py-spy==0.4.3"  # the `profile` part's sampler: --prepare unpacks its binary to .serve-stage/bin
 CUVS_LIBS = ("libcuvs/lib64", "libraft/lib64", "librmm/lib64", "rapids_logger/lib64", "libkvikio/lib64")
 
 
@@ -77,7 +78,23 @@ def prepare() -> None:
     (model / "generation_config.json").write_text(json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}))
     data = json.loads(DEFAULT_LOCOMO.read_text())
     (STAGE / "locomo.json").write_text(json.dumps(data[:1]))  # CC BY-NC: travels to the device, never committed
+    stage_py_spy()
     print(f"wrote {STAGE}: model/ ({config['num_hidden_layers']} layers, vocab {config['vocab_size']}), locomo.json")
+
+
+def stage_py_spy() -> None:
+    """py-spy's binary from its wheel (pip, no dependencies) into .serve-stage/bin."""
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", folder, PY_SPY_WHEEL], check=True)
+        (wheel,) = Path(folder).glob("py_spy-*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            (member,) = [name for name in archive.namelist() if name.endswith("/scripts/py-spy")]
+            (STAGE / "bin").mkdir(parents=True, exist_ok=True)
+            (STAGE / "bin" / "py-spy").write_bytes(archive.read(member))
+    (STAGE / "bin" / "py-spy").chmod(0o755)
 
 
 def llama8b_dummy_overrides() -> dict[str, str]:
@@ -197,7 +214,7 @@ def _running_service() -> dict[str, Any] | None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from bench import peer_parts, serve_parts
+    from bench import peer_parts, serve_parts, serve_profile
 
     deadline = time.monotonic() + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
@@ -217,9 +234,10 @@ def run(args: argparse.Namespace) -> None:
         context = serve_parts.Context(url=service.url, admin_key=service.admin_key, out=args.out,
                                       locomo=STAGE / "locomo.json", deadline=deadline, rounds=args.rounds,
                                       locust_users=tuple(int(u) for u in args.locust_users.split(",")),
-                                      locust_seconds=args.locust_seconds, routing=service.routing())
+                                      locust_seconds=args.locust_seconds, profile_users=args.profile_users,
+                                      routing=service.routing())
         for name in filter(None, args.parts.split(",")):
-            part = {**serve_parts.PARTS, **peer_parts.PARTS}[name]
+            part = {**serve_parts.PARTS, **peer_parts.PARTS, **serve_profile.PARTS}[name]
             if deadline - time.monotonic() < part.needs_s:
                 result["parts_skipped"].append(name)
                 print(f"[serve_h200] skipping {name}: {deadline - time.monotonic():.0f} s left", flush=True)
@@ -250,6 +268,7 @@ def main() -> None:
                         help="comma-separated; '' to only start; `peer` (bench/peer_parts.py, with KVMEM_ENGINE__MAX_MODEL_LEN=131072) is not in the default")
     parser.add_argument("--locust-users", default="10,25,50,100", help="concurrent Locust users, one run per mode each")
     parser.add_argument("--locust-seconds", type=int, default=15)
+    parser.add_argument("--profile-users", type=int, default=100, help="Locust users of the `profile` part (bench/serve_profile.py)")
     parser.add_argument("--keep-running", action="store_true", help="leave the service up for a later call")
     args = parser.parse_args()
     if args.wheels:

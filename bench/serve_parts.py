@@ -51,6 +51,7 @@ class Context:
     rounds: int = 30
     locust_users: tuple[int, ...] = LOCUST_USERS
     locust_seconds: int = 15
+    profile_users: int = 100  # bench.serve_profile's Locust users
     routing: str = "router"  # the service's topology: which floor has its hop structure
 
     def client(self, timeout_s: float = 120.0) -> httpx.Client:
@@ -183,14 +184,31 @@ def ingest(ctx: Context) -> dict[str, Any]:
     return {"ingest": one_way(service, args, wait_for_kv=False, max_turns=None)}
 
 
-def locust(ctx: Context) -> dict[str, Any]:
-    """Closed-loop Locust runs; users are seeded first so the runs measure chats only."""
+def run_locust(ctx: Context, mode: str, users: int, seconds: int, prefix: Path) -> dict[str, Any]:
+    """One closed-loop Locust run (k = 50, 50 output tokens) over the seeded pool: its CSV rows
+    for the chats (`chat`) and their first content (`first`)."""
+    env = dict(os.environ, KVMEM_LOADTEST_USERS=str(LOCUST_POOL), KVMEM_LOADTEST_FACTS="0", KVMEM_LOADTEST_MEMORY_MODE=mode,
+               KVMEM_LOADTEST_TOP_K="50", KVMEM_LOADTEST_MAX_TOKENS="50", KVMEM_LOADTEST_WAIT_S="0",
+               KVMEM_LOADTEST_API_KEY=ctx.admin_key)
+    command = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", str(users), "-r", str(users),
+               "-t", f"{seconds}s", "--host", ctx.url, "--csv", str(prefix), "--only-summary", "--processes", "4"]
+    subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=seconds + 60)
+    rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(f"{prefix}_stats.csv"))}
+    return {"chat": rows.get(("POST", "chat"), {}), "first": rows.get(("TTFT", "chat"), {})}
+
+
+def seed_locust_pool(ctx: Context) -> None:
+    """The Locust users' memories: 40 users x 55 facts (the arena holds them all, 2 pages a fact)."""
     from loadtest.users import memory_facts, user_pool
 
-    pool = user_pool(LOCUST_POOL)  # 40 users x 55 facts: the arena holds them all (2 pages a fact)
     with ctx.client() as client:
-        for user in pool:
+        for user in user_pool(LOCUST_POOL):
             seed_user(client, user, memory_facts(user, 55))
+
+
+def locust(ctx: Context) -> dict[str, Any]:
+    """Closed-loop Locust runs; users are seeded first so the runs measure chats only."""
+    seed_locust_pool(ctx)
     qps: dict[str, dict[str, float]] = {}
     latency: dict[str, dict[str, dict[str, float]]] = {}
     seconds = ctx.locust_seconds
@@ -199,21 +217,12 @@ def locust(ctx: Context) -> dict[str, Any]:
         for mode in ("kv", "prompt", "none"):
             if time.monotonic() + seconds + 15 > ctx.deadline:
                 break
-            prefix = csv_dir / f"locust_{mode}_{users}"
-            env = dict(os.environ, KVMEM_LOADTEST_USERS=str(len(pool)), KVMEM_LOADTEST_FACTS="0", KVMEM_LOADTEST_MEMORY_MODE=mode,
-                       KVMEM_LOADTEST_TOP_K="50", KVMEM_LOADTEST_MAX_TOKENS="50", KVMEM_LOADTEST_WAIT_S="0",
-                       KVMEM_LOADTEST_API_KEY=ctx.admin_key)
-            command = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", str(users), "-r", str(users),
-                       "-t", f"{seconds}s", "--host", ctx.url, "--csv", str(prefix), "--only-summary", "--processes", "4"]
-            subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=seconds + 60)
-            rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(f"{prefix}_stats.csv"))}
-            chat, first = rows.get(("POST", "chat"), {}), rows.get(("TTFT", "chat"), {})
+            rows = run_locust(ctx, mode, users, seconds, csv_dir / f"locust_{mode}_{users}")
+            chat, first = rows["chat"], rows["first"]
             qps.setdefault(mode, {})[str(users)] = round(float(chat.get("Requests/s", 0) or 0), 2)
             latency.setdefault(mode, {})[str(users)] = {"ttft_p50_ms": float(first.get("50%", 0) or 0), "ttft_p99_ms": float(first.get("99%", 0) or 0),
                                                         "failures": int(chat.get("Failure Count", 0) or 0)}
     return {"locust_qps": qps, "locust_ttft_ms": latency, "locust_seconds": seconds}
-
-
 
 
 def diagnose(ctx: Context) -> dict[str, Any]:
@@ -227,7 +236,7 @@ def diagnose(ctx: Context) -> dict[str, Any]:
             "import json, ray\n"
             "from ray.util.state import list_actors, list_tasks\n"
             "ray.init(address='auto', logging_level='ERROR')\n"
-            "shards = [a.actor_id for a in list_actors(filters=[('class_name', '=', 'MemoryShard')])]\n"
+            "shards = [a.actor_id for a in list_actors(filters=[('class_name', '=', 'ShardActor')])]\n"
             "tasks = [t for t in list_tasks(filters=[('state', '!=', 'FINISHED')], limit=2000) if t.actor_id in shards]\n"
             "from collections import Counter\n"
             "print(json.dumps({'by_state': {f'{n} {s}': c for (n, s), c in Counter((t.name, t.state) for t in tasks).items()},\n"
