@@ -5,9 +5,9 @@ does 362: the bound is outside the engine. This part runs Locust (closed loop, k
 tokens; bench.serve_parts.run_locust) in modes none and kv while py-spy samples, from outside,
 the processes of one request's path: Serve's HTTP proxy, the LLM replica (the HTTP routes,
 planning's client, vLLM's front end and output handling), the memory shard actor and vLLM's
-engine core. Per process and mode it reports how many threads were busy on average (samples
-over duration x rate; py-spy leaves idle threads out) and the functions with the most samples,
-by self time and including callees.
+engine core. py-spy samples only the thread holding the GIL (`--gil`), so per process and mode
+the report's `gil_busy` is the share of the time its Python ran (near 1.0: that process's
+Python is the bound), with the functions holding it most, by self time and including callees.
 
     python3 -m bench.serve_h200 --parts profile --profile-users 100 ...   (on the GPU machine)
 
@@ -51,7 +51,7 @@ def py_spy() -> str | None:
 
 
 def summarize(raw: Path, seconds: float, top: int = 25) -> dict[str, Any]:
-    """Busy threads on average and the top functions of py-spy's collapsed stacks."""
+    """The share of the time the GIL was held and the top functions of py-spy's collapsed stacks."""
     own: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
     total = 0
@@ -69,7 +69,7 @@ def summarize(raw: Path, seconds: float, top: int = 25) -> dict[str, Any]:
     def share(counter: collections.Counter[str]) -> list[tuple[str, float]]:
         return [(frame, round(100 * n / total, 1)) for frame, n in counter.most_common(top)] if total else []
 
-    return {"samples": total, "busy_threads": round(total / (seconds * RATE_HZ), 2), "self_pct": share(own), "total_pct": share(inclusive)}
+    return {"samples": total, "gil_busy": round(total / (seconds * RATE_HZ), 2), "self_pct": share(own), "total_pct": share(inclusive)}
 
 
 def profile(ctx: Context) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def profile(ctx: Context) -> dict[str, Any]:
         spies = {  # started 2 s into the run (after the ramp-up), each sampling one process
             name: subprocess.Popen(
                 ["bash", "-c", f"sleep 2 && exec {binary} record --pid {pid} --rate {RATE_HZ} --duration {sampled} "
-                               f"--format raw --nonblocking --output {workdir / f'{mode}_{name}.txt'}"],
+                               f"--format raw --gil --nonblocking --output {workdir / f'{mode}_{name}.txt'}"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             )
             for name, pid in pids.items()

@@ -107,7 +107,7 @@ class MemoryLLM:
         from actors.plan_channel import PlanClient, plan_channel_address
         from memory.shard import arena_path_of
 
-        if settings.plan_channel_timeout_s is None:
+        if not settings.plan_channel:
             return None
         arena = arena_path_of(settings.memory, settings.namespace, shard_id)
         return PlanClient(plan_channel_address(str(arena)), settings.plan_channel_timeout_s)

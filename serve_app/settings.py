@@ -129,12 +129,13 @@ class ServiceSettings(BaseSettings):
     shard_call_timeout_s: float = Field(
         30.0, gt=0, description="Most seconds a replica waits for its memory shard actor on one call."
     )
-    plan_channel_timeout_s: float | None = Field(
-        5.0,
-        gt=0,
-        description="Chat plans come from the memory shard over a local socket (actors.plan_channel), not a Ray call; "
-        "this is the most seconds a plan waits there before it is asked for through Ray instead (the shard "
-        "restarting). None: plans through Ray only.",
+    plan_channel: bool = Field(
+        True,
+        description="Chat plans come from the memory shard over a local socket (actors.plan_channel) instead of a Ray "
+        "actor call. False: through Ray only.",
+    )
+    plan_channel_timeout_s: float = Field(
+        5.0, gt=0, description="Most seconds a plan waits on the channel before it is asked for through Ray (the shard restarting)."
     )
     engine_restart_timeout_s: float = Field(
         300.0,
