@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -57,14 +57,22 @@ class Embedder:
     def embed_query(self, text: str) -> np.ndarray:
         """One text's row, float32 [dim]; on a CUDA device from a CUDA graph (memory.query_graphs)
         when the model is the plain Transformer -> mean Pooling -> Normalize pipeline."""
+        return self.start_query(text)()
+
+    def start_query(self, text: str) -> Callable[[], np.ndarray]:
+        """embed_query in two halves: this launches the query's CUDA graph and returns at once; the
+        function it returns waits for the row. The caller's CPU work in between overlaps the GPU's.
+        Call the function before the next start_query (the graph's output is reused). Without
+        graphs (CPU) the row is computed here."""
         graphs = self.query_graphs()
         if graphs is not None:
             tokenizer = self._model.tokenizer
             ids = tokenizer(text, truncation=True, max_length=self._model.max_seq_length)["input_ids"]
-            row = graphs.embed(ids)
+            row = graphs.launch(ids)
             if row is not None:
-                return row.numpy()
-        return self.embed([text])[0]
+                return lambda: row.float().cpu().numpy()
+        computed = self.embed([text])[0]
+        return lambda: computed
 
     def query_graphs(self) -> "QueryGraphs | None":
         """The CUDA graphs behind embed_query (made on first use), or None (CPU, other pipelines)."""

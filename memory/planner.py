@@ -61,6 +61,7 @@ def plan_chat(
     salt_namespace: str,
     max_prompt_tokens: int | None = None,
     prefill_top_m: int = 0,
+    suffix_ids: list[int] | None = None,
 ) -> ChatPlan:
     """The plan for `messages` conditioned on `hits` (most relevant first; mode full: every fact,
     oldest first); see the module docstring.
@@ -71,10 +72,11 @@ def plan_chat(
     prefill_top_m (mode kv): the m most relevant facts are prefilled as text after the injected
     ones even when their KV is live, so they attend to every other fact (the cross-fact repair:
     injected facts were each encoded without the others).
+    suffix_ids: layout.suffix_ids(messages), when the caller has it already.
     """
     if mode == "none":
         return ChatPlan(prompt_token_ids=layout.plain_prompt_ids(messages), mode=mode, cache_salt=scope_cache_salt(salt_namespace))
-    suffix = layout.suffix_ids(messages)
+    suffix = layout.suffix_ids(messages) if suffix_ids is None else suffix_ids
     if max_prompt_tokens is not None:
         hits = fit_to_context(hits, kv, max_prompt_tokens - len(layout.prefix_ids) - len(suffix))
     # least relevant first, most relevant next to the query; mode full: as given (oldest first, so

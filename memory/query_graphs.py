@@ -50,13 +50,19 @@ class QueryGraphs:
 
     def embed(self, token_ids: list[int]) -> torch.Tensor | None:
         """The query's normalised row (float32, on the host), or None when graphs are off."""
+        row = self.launch(token_ids)
+        return None if row is None else row.float().cpu()
+
+    def launch(self, token_ids: list[int]) -> torch.Tensor | None:
+        """Replay the graph for these ids without waiting: the returned device tensor holds the
+        row once the stream gets there (read it before the next launch). None when graphs are off."""
         if self.disabled_because is not None:
             return None
         try:
             graph, ids, row = self.graphs.get(len(token_ids)) or self._capture(len(token_ids))
             ids.copy_(torch.tensor(token_ids, dtype=torch.long).view(1, -1), non_blocking=False)
             graph.replay()
-            return row.float().cpu()
+            return row
         except Exception as exc:  # noqa: BLE001 - an encoder whose forward cannot be captured: eager from now on
             self.disabled_because = f"{type(exc).__name__}: {exc}"[:300]
             logger.warning("query embeddings fall back to eager: %s", self.disabled_because)
