@@ -235,6 +235,7 @@ def run(args: argparse.Namespace) -> None:
                                       locomo=STAGE / "locomo.json", deadline=deadline, rounds=args.rounds,
                                       locust_users=tuple(int(u) for u in args.locust_users.split(",")),
                                       locust_seconds=args.locust_seconds, profile_users=args.profile_users,
+                                      locust_questions=tuple(args.locust_questions.split(",")),
                                       routing=service.routing())
         for name in filter(None, args.parts.split(",")):
             part = {**serve_parts.PARTS, **peer_parts.PARTS, **serve_profile.PARTS}[name]
@@ -268,6 +269,7 @@ def main() -> None:
                         help="comma-separated; '' to only start; `peer` (bench/peer_parts.py, with KVMEM_ENGINE__MAX_MODEL_LEN=131072) is not in the default")
     parser.add_argument("--locust-users", default="10,25,50,100", help="concurrent Locust users, one run per mode each")
     parser.add_argument("--locust-seconds", type=int, default=15)
+    parser.add_argument("--locust-questions", default="fixed", help="comma-separated: fixed (the 8 built-in), varied (400)")
     parser.add_argument("--profile-users", type=int, default=100, help="Locust users of the `profile` part (bench/serve_profile.py)")
     parser.add_argument("--keep-running", action="store_true", help="leave the service up for a later call")
     args = parser.parse_args()

@@ -52,6 +52,7 @@ class Context:
     locust_users: tuple[int, ...] = LOCUST_USERS
     locust_seconds: int = 15
     profile_users: int = 100  # bench.serve_profile's Locust users
+    locust_questions: tuple[str, ...] = ("fixed",)  # loadtest's question sets: fixed (8), varied (400)
     routing: str = "router"  # the service's topology: which floor has its hop structure
 
     def client(self, timeout_s: float = 120.0) -> httpx.Client:
@@ -184,12 +185,13 @@ def ingest(ctx: Context) -> dict[str, Any]:
     return {"ingest": one_way(service, args, wait_for_kv=False, max_turns=None)}
 
 
-def run_locust(ctx: Context, mode: str, users: int, seconds: int, prefix: Path) -> dict[str, Any]:
-    """One closed-loop Locust run (k = 50, 50 output tokens) over the seeded pool: its CSV rows
+def run_locust(ctx: Context, mode: str, users: int, seconds: int, prefix: Path, questions: str = "fixed") -> dict[str, Any]:
+    """One closed-loop Locust run (k = 50, 50 output tokens) over the seeded pool, asking the
+    locustfile's 8 built-in questions (`fixed`) or 400 different ones (`varied`): its CSV rows
     for the chats (`chat`) and their first content (`first`)."""
     env = dict(os.environ, KVMEM_LOADTEST_USERS=str(LOCUST_POOL), KVMEM_LOADTEST_FACTS="0", KVMEM_LOADTEST_MEMORY_MODE=mode,
                KVMEM_LOADTEST_TOP_K="50", KVMEM_LOADTEST_MAX_TOKENS="50", KVMEM_LOADTEST_WAIT_S="0",
-               KVMEM_LOADTEST_API_KEY=ctx.admin_key)
+               KVMEM_LOADTEST_API_KEY=ctx.admin_key, KVMEM_LOADTEST_QUESTIONS=questions)
     command = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", str(users), "-r", str(users),
                "-t", f"{seconds}s", "--host", ctx.url, "--csv", str(prefix), "--only-summary", "--processes", "4"]
     subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=seconds + 60)
@@ -207,22 +209,28 @@ def seed_locust_pool(ctx: Context) -> None:
 
 
 def locust(ctx: Context) -> dict[str, Any]:
-    """Closed-loop Locust runs; users are seeded first so the runs measure chats only."""
+    """Closed-loop Locust runs per question set, number of users and mode; users are seeded first
+    so the runs measure chats only. `locust_qps` asks the 8 built-in questions (repeated, so
+    prompt injection often hits vLLM's prefix cache), `locust_qps_varied` 400 different ones."""
     seed_locust_pool(ctx)
-    qps: dict[str, dict[str, float]] = {}
-    latency: dict[str, dict[str, dict[str, float]]] = {}
+    out: dict[str, Any] = {"locust_seconds": ctx.locust_seconds}
     seconds = ctx.locust_seconds
     csv_dir = Path(tempfile.mkdtemp(prefix="kvmem-locust-"))  # Locust's CSVs stay here: only the JSON travels back
-    for users in ctx.locust_users:
-        for mode in ("kv", "prompt", "none"):
-            if time.monotonic() + seconds + 15 > ctx.deadline:
-                break
-            rows = run_locust(ctx, mode, users, seconds, csv_dir / f"locust_{mode}_{users}")
-            chat, first = rows["chat"], rows["first"]
-            qps.setdefault(mode, {})[str(users)] = round(float(chat.get("Requests/s", 0) or 0), 2)
-            latency.setdefault(mode, {})[str(users)] = {"ttft_p50_ms": float(first.get("50%", 0) or 0), "ttft_p99_ms": float(first.get("99%", 0) or 0),
-                                                        "failures": int(chat.get("Failure Count", 0) or 0)}
-    return {"locust_qps": qps, "locust_ttft_ms": latency, "locust_seconds": seconds}
+    for questions in ctx.locust_questions:
+        suffix = "" if questions == "fixed" else f"_{questions}"
+        qps: dict[str, dict[str, float]] = out.setdefault(f"locust_qps{suffix}", {})
+        latency: dict[str, dict[str, dict[str, float]]] = out.setdefault(f"locust_ttft_ms{suffix}", {})
+        for users in ctx.locust_users:
+            for mode in ("kv", "prompt", "none"):
+                if time.monotonic() + seconds + 15 > ctx.deadline:
+                    break
+                rows = run_locust(ctx, mode, users, seconds, csv_dir / f"locust_{questions}_{mode}_{users}", questions)
+                chat, first = rows["chat"], rows["first"]
+                qps.setdefault(mode, {})[str(users)] = round(float(chat.get("Requests/s", 0) or 0), 2)
+                latency.setdefault(mode, {})[str(users)] = {"ttft_p50_ms": float(first.get("50%", 0) or 0),
+                                                            "ttft_p99_ms": float(first.get("99%", 0) or 0),
+                                                            "failures": int(chat.get("Failure Count", 0) or 0)}
+    return out
 
 
 def diagnose(ctx: Context) -> dict[str, Any]:

@@ -92,7 +92,7 @@ def profile(ctx: Context) -> dict[str, Any]:
             )
             for name, pid in pids.items()
         }
-        rows = run_locust(ctx, mode, ctx.profile_users, seconds, workdir / f"locust_{mode}")
+        rows = run_locust(ctx, mode, ctx.profile_users, seconds, workdir / f"locust_{mode}", "varied")
         per_process: dict[str, Any] = {"qps": round(float(rows["chat"].get("Requests/s", 0) or 0), 2)}
         for name, spy in spies.items():
             _, err = spy.communicate(timeout=60)

@@ -7,7 +7,10 @@ facts, default 20, through POST /v1/memories; re-adding is idempotent), and chat
 memory mode KVMEM_LOADTEST_MEMORY_MODE (kv, prompt or none; default kv), so the same run can
 be repeated per mode and compared. KVMEM_LOADTEST_TOP_K and KVMEM_LOADTEST_MAX_TOKENS set the
 chats' memory.top_k and max_tokens, KVMEM_LOADTEST_API_KEY the key sent (auth.mode keys), and
-KVMEM_LOADTEST_WAIT_S=0 makes each client a closed loop (QPS at a fixed concurrency). Chat responses are streamed (server-sent events): besides
+KVMEM_LOADTEST_WAIT_S=0 makes each client a closed loop (QPS at a fixed concurrency).
+KVMEM_LOADTEST_QUESTIONS=varied draws from 400 different questions instead of the 8 built-in ones
+(with 8, a user soon repeats a question, and prompt injection is then served from vLLM's prefix
+cache: it measures the cache, not the memory). Chat responses are streamed (server-sent events): besides
 the POST row (time to the response headers), Locust reports the time to the first content
 chunk ("TTFT chat") and to the end of the stream ("COMPLETE chat") as rows of their own. A request counts as failed unless it answers 200 with a well-formed
 stream ending in [DONE] and a non-empty assistant message.
@@ -30,9 +33,9 @@ from typing import Any, Iterable
 from locust import HttpUser, between, constant, task
 
 try:
-    from loadtest.users import memory_facts, user_pool
+    from loadtest.users import memory_facts, user_pool, varied_questions
 except ImportError:  # locust puts the locustfile's folder, not the project root, on sys.path
-    from users import memory_facts, user_pool  # type: ignore[no-redef]
+    from users import memory_facts, user_pool, varied_questions  # type: ignore[no-redef]
 
 QUESTIONS: tuple[str, ...] = (
     "What is the capital of France?",
@@ -45,6 +48,9 @@ QUESTIONS: tuple[str, ...] = (
     "Remind me why the sky is blue.",
 )
 MAX_TOKENS = 64
+
+
+ASKED: tuple[str, ...] = tuple(varied_questions()) if os.environ.get("KVMEM_LOADTEST_QUESTIONS") == "varied" else QUESTIONS
 
 
 def chat_body(
@@ -117,7 +123,7 @@ class ChatUser(HttpUser):
 
     @task(10)
     def chat(self) -> None:
-        body = chat_body(self.user_id, random.choice(QUESTIONS), max_tokens=CHAT_MAX_TOKENS, memory_mode=MEMORY_MODE, top_k=TOP_K)
+        body = chat_body(self.user_id, random.choice(ASKED), max_tokens=CHAT_MAX_TOKENS, memory_mode=MEMORY_MODE, top_k=TOP_K)
         started = time.perf_counter()
         with self.client.post("/v1/chat/completions", json=body, name="chat", stream=True, catch_response=True) as response:
             lines: list[str] = []

@@ -183,3 +183,18 @@ def test_headless_run_sends_what_the_environment_asks(tmp_path: Path) -> None:
         assert headers["x-session-id"] == body["user"]
         assert body["memory"] == {"mode": "prompt", "top_k": 7} and body["max_tokens"] == 5
 
+
+
+def test_the_varied_question_set_asks_400_different_questions() -> None:
+    from loadtest.users import varied_questions
+
+    questions = varied_questions()
+    assert len(questions) == len(set(questions)) == 400
+    probe = "import importlib.util, sys\nspec = importlib.util.spec_from_file_location('locustfile', sys.argv[1])\n" \
+            "module = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(module)\nprint(len(module.ASKED))"
+    for setting, asked in (("varied", 400), ("", 8)):
+        env = {**os.environ, "KVMEM_LOADTEST_QUESTIONS": setting}
+        done = subprocess.run([sys.executable, "-c", probe, str(REPO / "loadtest" / "locustfile.py")], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert int(done.stdout.strip().splitlines()[-1]) == asked
