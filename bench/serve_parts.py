@@ -292,13 +292,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
         left.plot(KS, [result["http_ttft_ms"][mode][str(k)] for k in KS], "-o", color=color, label=f"{mode} HTTP")
         left.plot(KS, [result["engine_ttft_ms"][mode][str(k)] for k in KS], "--", color=color, label=f"{mode} engine")
     if result.get("serve_floor_ms"):
-        left.axhline(result["serve_floor_ms"], color="black", lw=0.8, ls=":", label="Serve floor (no-op chain)")
+        left.axhline(result["serve_floor_ms"], color="black", lw=0.8, ls=":", label="Serve floor (no-op, same hops)")
     left.set(xlabel="facts retrieved (k)", ylabel="ms to first streamed event (median)", title="TTFT, one request at a time")
     left.legend(fontsize=7)
-    for mode, color in zip(("kv", "prompt", "none"), ("tab:blue", "tab:orange", "tab:gray")):
+    users = sorted({int(u) for series in result.get("locust_qps", {}).values() for u in series})
+    for i, (mode, color) in enumerate(zip(("kv", "prompt", "none"), ("tab:blue", "tab:orange", "tab:gray"))):
         series = result.get("locust_qps", {}).get(mode, {})
-        if series:
-            right.plot([int(u) for u in series], list(series.values()), "-o", color=color, label=mode)
+        positions = [j + (i - 1) * 0.27 for j, u in enumerate(users) if str(u) in series]
+        right.bar(positions, [series[str(u)] for u in users if str(u) in series], width=0.25, color=color, label=mode)
+    right.set_xticks(range(len(users)), [str(u) for u in users])
     right.set(xlabel="concurrent Locust users", ylabel="chats per second", title="Locust, k = 50, 50 output tokens")
     right.legend(fontsize=7)
     fig.tight_layout()
