@@ -9,9 +9,10 @@ and nothing else: every other shard call stays a Ray call (actors.shard_client).
 
 - PlanServer runs in the shard actor's process, on a thread of its own; each request runs
   under the lock that also serializes the actor's Ray calls (actors.shard_actor.ShardActor), so
-  the shard still runs one call at a time. The address is a Linux abstract socket named after
-  the shard's arena (no file to leave behind; a restarted shard binds it again once the dead
-  process has let go).
+  the shard still runs one call at a time. The address is a Unix socket file beside the shard's
+  arena, readable and writable by its owner only: the channel answers with users' facts and
+  takes pickles, so no other local account may connect (an abstract socket would have no
+  permissions at all). A restarted shard replaces the file.
 - PlanClient is the replica's end: one DEALER socket, many requests in flight, one reader task
   that hands each reply to its waiting request. A request that gets no answer within the
   client's timeout raises PlanChannelTimeout (the shard is restarting, or busy for longer);
@@ -24,10 +25,13 @@ reconnects and many-to-one routing are what it does. Messages are pickled, as Ra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
+import os
 import pickle
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -58,10 +62,16 @@ class PlanRequest:
     prefill_top_m: int | None = None
 
 
+_MAX_SOCKET_PATH = 100  # sockaddr_un holds 107 bytes
+
+
 def plan_channel_address(arena_path: str) -> str:
-    """The channel of the shard whose arena is at `arena_path` (an abstract Unix socket: Linux)."""
-    digest = hashlib.sha1(arena_path.encode()).hexdigest()[:24]
-    return f"ipc://@kvmem-plan-{digest}"
+    """The channel of the shard whose arena is at `arena_path`: a socket file beside it, or, for
+    an arena path too long for a Unix socket, one in the temporary folder named by its hash."""
+    path = f"{arena_path}.plan.sock"
+    if len(path) > _MAX_SOCKET_PATH:
+        path = os.path.join(tempfile.gettempdir(), f"kvmem-plan-{hashlib.sha1(arena_path.encode()).hexdigest()[:24]}.sock")
+    return f"ipc://{path}"
 
 
 def _reply(outcome: tuple[str, Any]) -> bytes:
@@ -80,40 +90,51 @@ class PlanServer:
         self.lock = lock
         self.bound = threading.Event()
         self._stop = threading.Event()
+        self._socket: zmq.Socket | None = None
+        self._inode: int | None = None
         self._thread = threading.Thread(target=self._serve, name="kvmem-plan-channel", daemon=True)
 
     def start(self) -> "PlanServer":
+        """Bind now (in the caller's thread: the umask change below must not race the thread's
+        start), then serve on the thread, which takes the socket over."""
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._bind(self._socket)
         self._thread.start()
         return self
 
     def close(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
+        path = self.address[len("ipc://"):]
+        with contextlib.suppress(OSError):  # its own file only, not a successor's
+            if self._inode is not None and os.stat(path).st_ino == self._inode:
+                os.unlink(path)
 
-    def _bind(self, socket: zmq.Socket) -> bool:
-        """Bind, waiting while a dying predecessor still holds the address."""
-        while not self._stop.is_set():
-            try:
-                socket.bind(self.address)
-                self.bound.set()
-                return True
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EADDRINUSE:
-                    raise
-                logger.info("plan channel %s still held by a previous shard; retrying", self.address)
-                self._stop.wait(0.5)
-        return False
+    def _bind(self, socket: zmq.Socket) -> None:
+        """Bind the socket file, owner-only; a file left by a dead predecessor is replaced."""
+        path = self.address[len("ipc://"):]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        previous = os.umask(0o177)  # the file is created 0600: no window where others may connect
+        try:
+            socket.bind(self.address)
+        finally:
+            os.umask(previous)
+        self._inode = os.stat(path).st_ino
+        self.bound.set()
 
     def _serve(self) -> None:
-        socket = zmq.Context.instance().socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
+        socket = self._socket
         try:
-            if not self._bind(socket):
-                return
             while not self._stop.is_set():
                 if not socket.poll(_POLL_MS):
                     continue
-                client, request_id, payload = socket.recv_multipart()
+                frames = socket.recv_multipart()
+                if len(frames) != 3:  # not one of our clients' messages: dropped
+                    logger.warning("plan channel %s: dropped a message of %d frames", self.address, len(frames))
+                    continue
+                client, request_id, payload = frames
                 try:
                     request = pickle.loads(payload)
                     with self.lock:
@@ -145,6 +166,7 @@ class PlanClient:
             self.close()
             self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection, not a dead shard's
             self._socket.connect(self.address)
             self._loop = loop
             self._reader = loop.create_task(self._read(self._socket))
