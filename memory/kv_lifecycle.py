@@ -128,6 +128,7 @@ class FactKVLifecycle:
         self.dependents: dict[str, set[str]] = {}  # fact id -> the facts encoded behind it (encode_neighbours)
         self.prefix = FactKV(user_id="", version=1, text=instruction, segment_ids=tuple(layout.prefix_ids))
         self.facts_encoded = 0
+        self.evictions = 0  # live entries released to make room (their facts are prefilled as text until used)
 
     # ------------------------------------------------------------------ start-up
     def adopt_arena(self, encoded_behind: Mapping[str, tuple[int, tuple[str, ...]]] | None = None) -> dict[str, int]:
@@ -391,3 +392,4 @@ class FactKVLifecycle:
                 state = self.facts[victim]
                 self.arena.release(state.ref)
                 state.ref = None  # prefilled as text until used again
+                self.evictions += 1

@@ -324,6 +324,7 @@ class MemoryShard:
             "facts": len(self.facts),
             "facts_with_kv": len(self.kv.lru),
             "facts_encoded_total": self.kv.facts_encoded,
+            "kv_evictions_total": self.kv.evictions,  # entries released for room: the arena is too small when it climbs
             "pending_encodes": self.pending_encodes(),
             "index_vectors": len(self.index),
             "index_backend": f"{type(self.index).__name__} on {getattr(self.index, 'device', 'cpu')}",  # CagraIndex | ExactIndex

@@ -93,6 +93,8 @@ class MemoryLLM:
         self.facts_gauge = Gauge("kvmem_facts", description="Facts held by the shard.", tag_keys=("shard",))
         self.shard_restarts = Counter("kvmem_shard_restarts_total", description="Shard actors restarted for not answering.")
         self.pending_gauge = Gauge("kvmem_pending_encodes", description="Facts waiting for their KV.", tag_keys=("shard",))
+        self.facts_with_kv_gauge = Gauge("kvmem_facts_with_kv", description="Facts whose KV is live.", tag_keys=("shard",))
+        self.evictions_gauge = Gauge("kvmem_kv_evictions", description="Fact KV entries evicted for room since the shard started.", tag_keys=("shard",))
 
         def on_batch(live: int, seconds: float) -> None:
             _count(self.facts_encoded, live)
@@ -329,6 +331,8 @@ class MemoryLLM:
         self.arena_bytes.set(stats["device_bytes_used"], tags={"tier": "device", "shard": shard})
         self.facts_gauge.set(stats["facts"], tags={"shard": shard})
         self.pending_gauge.set(stats["pending_encodes"], tags={"shard": shard})
+        self.facts_with_kv_gauge.set(stats["facts_with_kv"], tags={"shard": shard})
+        self.evictions_gauge.set(stats["kv_evictions_total"], tags={"shard": shard})
 
     async def check_health(self) -> None:
         """Serve's probe: fails when the engine is dead and not coming back in place

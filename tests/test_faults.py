@@ -224,16 +224,25 @@ def _check_nothing_lost_or_leaked(url: str, load: Load) -> None:
     for user, ids in load.acked.items():
         records = requests.get(url + "/v1/memories", params={"user_id": user}, timeout=30).json()["results"]
         assert ids <= {r["fact_id"] for r in records}, f"acknowledged facts of {user} lost"
-        assert {r["kv"] for r in records} == {"live"}, [(r["fact_id"], r["kv"], r["kv_error"]) for r in records]
+        # every fact's KV is live, or was evicted for room (the module's loads together can fill the
+        # arena's 512 entries on a fast machine); never failed, never stuck encoding
+        kv = [(r["fact_id"], r["kv"], r["kv_error"]) for r in records]
+        assert {state for _, state, _ in kv} <= {"live", "evicted"} and "live" in {state for _, state, _ in kv}, kv
         status, answer = _chat(url, user, "Which box holds item 1?", top_k=50)
         assert status == 200 and ids <= set(answer["memory"]["fact_ids"])  # answered from every one of them
         assert answer["memory"]["cached_tokens"] >= answer["memory"]["injected_tokens"] > 0
+    stats = _settled(url)  # a chat re-encodes the evicted facts it used (evicting others): wait for that too
     arena = FactArena.open(_shard_pid_and_arena()[1])
     try:
         usage = arena.usage()
         assert (usage["pins"], usage["entries_writing"], usage["entries_retired"]) == (0, 0, 0), usage
-        assert usage["entries_live"] == stats["facts"] + 1  # every fact and the prefix, nothing else
+        assert usage["entries_live"] == stats["facts_with_kv"] + 1  # every fact with KV and the prefix, nothing else
+        # a fact without KV was evicted for room: counted, and only when the arena was full
+        assert stats["facts"] - stats["facts_with_kv"] <= stats["kv_evictions_total"], stats
         live = arena.entries[arena.entries["state"] == LIVE]
+        if stats["kv_evictions_total"]:  # full: no free entry, or fewer free pages than the largest entry needs
+            full = usage["entries_live"] == arena.geometry.max_entries or usage["pages_total"] - usage["pages_used"] < int(live["n_pages"].max())
+            assert full, usage
         assert usage["pages_used"] == int(live["n_pages"].sum())  # free capacity: all but the live entries'
     finally:
         arena.close()

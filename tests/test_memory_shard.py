@@ -175,6 +175,7 @@ def test_full_arena_evicts_cold_facts_and_keeps_answers_whole(engine_factory, sm
         ids = m.add("alice", *texts)
         stats = m.shard.stats()
         assert stats["facts"] == 12 and 0 < stats["facts_with_kv"] < 12
+        assert stats["kv_evictions_total"] > 0  # the LRU made room for later facts, and says so
         plan = m.shard.plan_chat("alice", [{"role": "user", "content": "How many marbles?"}], k=12)
         assert sorted(f.fact_id for f in plan.facts) == sorted(ids)
         assert plan.prefilled_fact_ids  # evicted facts are prefilled as text, never dropped
