@@ -16,12 +16,8 @@ import asyncio
 import os
 import shutil
 import signal
-import tempfile
-import threading
 import time
 import uuid
-from collections import defaultdict
-from dataclasses import dataclass, field
 
 import psutil
 import pytest
@@ -31,6 +27,7 @@ from devtools.local_redis import LocalRedis
 from kvarena.arena import LIVE, FactArena
 from memory.fact_store import FactStore, NewFact, Turn
 from memory.kv_lifecycle import entry_tag
+from tests.fault_load import Load, ask, post_json
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +37,6 @@ pytestmark = pytest.mark.slow
 # bound that holds everywhere is 240 s (docs/memory.md has the numbers; KVMEM_FAULT_RECOVERY_S=30
 # checks the target itself). Each test prints the seconds it measured.
 RECOVERY_S = float(os.environ.get("KVMEM_FAULT_RECOVERY_S", "240"))
-CLIENT_TIMEOUT_S = 90.0  # every request of the load; none may run into it
 CONTEXT = 1024
 NAMESPACE = "faults"
 REDIS_PREFIX = f"kvmem-{NAMESPACE}"  # the key prefix tests.serve_harness gives this service
@@ -68,7 +64,7 @@ def service(fault_redis: LocalRedis, smollm2_dir):
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     with running_service(fault_redis.url, smollm2_dir, NAMESPACE, **overrides) as url:
         seed = [f"The seed user's item number {i} is a {c} {t}." for i, (c, t) in enumerate(_items(20))]
-        assert _post(url, "/v1/memories", {"user_id": "seed", "facts": seed})[0] == 200
+        assert post_json(url, "/v1/memories", {"user_id": "seed", "facts": seed})[0] == 200
         _settled(url)
         yield url
     if bind is None:
@@ -80,16 +76,6 @@ def service(fault_redis: LocalRedis, smollm2_dir):
 def _items(n: int) -> list[tuple[str, str]]:
     colours, things = ["red", "blue", "green", "grey", "pink"], ["kite", "lamp", "drum", "boat", "vase", "sock"]
     return [(colours[i % 5], things[i % 6]) for i in range(n)]
-
-
-def _post(url: str, path: str, body: dict, timeout: float = CLIENT_TIMEOUT_S) -> tuple[int, dict]:
-    response = requests.post(url + path, json=body, timeout=timeout)
-    return response.status_code, (response.json() if response.headers.get("content-type", "").startswith("application/json") else {})
-
-
-def _chat(url: str, user: str, question: str, timeout: float = CLIENT_TIMEOUT_S, top_k: int = 10) -> tuple[int, dict]:
-    body = {"user": user, "messages": [{"role": "user", "content": question}], "max_tokens": 4, "memory": {"top_k": top_k}}
-    return _post(url, "/v1/chat/completions", body, timeout)
 
 
 def _shard_stats(url: str) -> dict:
@@ -147,70 +133,11 @@ def _engine_core(replica: psutil.Process, wait_s: float = 240.0) -> psutil.Proce
         time.sleep(1)
 
 
-# ---------------------------------------------------------------------------------- load
-@dataclass
-class Load:
-    """Concurrent adds (one new fact each) and chats until stopped; records every outcome."""
-
-    url: str
-    users: list[str]
-    acked: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
-    outcomes: list[tuple[str, object, float]] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    threads: list[threading.Thread] = field(default_factory=list)
-
-    def __enter__(self) -> "Load":
-        for i in range(2):
-            self.threads.append(threading.Thread(target=self._adds, args=(i,), daemon=True))
-            self.threads.append(threading.Thread(target=self._chats, args=(i,), daemon=True))
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(CLIENT_TIMEOUT_S + 10)
-
-    def _record(self, kind: str, call) -> object:
-        started = time.monotonic()
-        try:
-            status, body = call()
-        except requests.Timeout:
-            status, body = "timeout", {}
-        except requests.RequestException as exc:
-            status, body = type(exc).__name__, {}
-        self.outcomes.append((kind, status, time.monotonic() - started))
-        if status != 200:
-            time.sleep(0.5)
-        return body if status == 200 else None
-
-    def _adds(self, i: int) -> None:
-        n = 0
-        while not self.stop.is_set():
-            n, user = n + 1, self.users[i % len(self.users)]
-            text = f"{user} keeps item {n} of series {i} in box {7 * n + i}."
-            add = {"user_id": user, "facts": [text], "wait_for_kv": True}  # each add waits for its KV: the load
-            body = self._record("add", lambda: _post(self.url, "/v1/memories", add))  # follows what the engine encodes
-            if body is not None:
-                self.acked[user].add(body["results"][0]["id"])
-
-    def _chats(self, i: int) -> None:
-        while not self.stop.is_set():
-            user = ["seed", *self.users][i % (1 + len(self.users))]
-            self._record("chat", lambda: _chat(self.url, user, "Which box holds item 3?"))
-
-    def check_no_request_hung(self) -> None:
-        hung = [o for o in self.outcomes if o[1] == "timeout" or o[2] >= CLIENT_TIMEOUT_S]
-        assert not hung, f"requests ran into the {CLIENT_TIMEOUT_S:.0f} s client timeout: {hung}"
-        assert any(o[0] == "add" and o[1] == 200 for o in self.outcomes), self.outcomes
-
-
 def _recovery_s(url: str, killed_at: float, budget_s: float = 240.0) -> float:
     """Seconds from the kill until a chat with memory is answered again."""
     while time.monotonic() - killed_at < budget_s:
         try:
-            if _chat(url, "seed", "What colour is item 4?", timeout=15)[0] == 200:
+            if ask(url, "seed", "What colour is item 4?", timeout=15)[0] == 200:
                 return time.monotonic() - killed_at
         except requests.RequestException:
             pass
@@ -228,7 +155,7 @@ def _check_nothing_lost_or_leaked(url: str, load: Load) -> None:
         # arena's 512 entries on a fast machine); never failed, never stuck encoding
         kv = [(r["fact_id"], r["kv"], r["kv_error"]) for r in records]
         assert {state for _, state, _ in kv} <= {"live", "evicted"} and "live" in {state for _, state, _ in kv}, kv
-        status, answer = _chat(url, user, "Which box holds item 1?", top_k=50)
+        status, answer = ask(url, user, "Which box holds item 1?", top_k=50)
         assert status == 200 and ids <= set(answer["memory"]["fact_ids"])  # answered from every one of them
         assert answer["memory"]["cached_tokens"] >= answer["memory"]["injected_tokens"] > 0
     stats = _settled(url)  # a chat re-encodes the evicted facts it used (evicting others): wait for that too
@@ -338,7 +265,7 @@ def test_a_window_far_beyond_the_context_is_trimmed_and_the_add_returns_quickly(
     store.add_turns(user, turns)  # recorded before today's turn limits (or under another context)
     fact = "Vera tells long stories about her travels."
     started = time.monotonic()
-    status, body = _post(service, "/v1/memories", {"user_id": user, "facts": [fact], "source_id": "L5"})
+    status, body = post_json(service, "/v1/memories", {"user_id": user, "facts": [fact], "source_id": "L5"})
     elapsed = time.monotonic() - started
     assert status == 200, body
     fact_id = body["results"][0]["id"]
