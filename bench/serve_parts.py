@@ -54,6 +54,8 @@ class Context:
     profile_users: int = 100  # bench.serve_profile's Locust users
     locust_questions: tuple[str, ...] = ("fixed",)  # loadtest's question sets: fixed (8), varied (400)
     routing: str = "router"  # the service's topology: which floor has its hop structure
+    modes: tuple[str, ...] = MODES  # the ttft part's cells: modes x ks
+    ks: tuple[int, ...] = KS
 
     def client(self, timeout_s: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=timeout_s)
@@ -139,7 +141,7 @@ def ttft(ctx: Context) -> dict[str, Any]:
     facts = [fact for turn in conversation.turns for fact in conversation.facts_by_turn.get(turn.turn_id, [])]
     questions = [q["question"] for q in conversation.questions]
     rng = random.Random(0)
-    cells = [(mode, k) for mode in MODES for k in KS]
+    cells = [(mode, k) for mode in ctx.modes for k in ctx.ks]
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
     with ctx.client() as client:
         seeded = seed_user(client, TTFT_USER, facts)
@@ -164,13 +166,27 @@ def ttft(ctx: Context) -> dict[str, Any]:
     return out
 
 
+FLOOR_PATHS = {  # bench/serve_floor.py's applications, from Serve's own floor up to the service's routes
+    "chain": "/floor", "direct": "/floor-direct", "direct_routed": "/floor-direct-routed", "routes": "/floor-routes",
+}
+
+
 def floor(ctx: Context) -> dict[str, Any]:
-    body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    out: dict[str, Any] = {}
+    """Ms to the first streamed event through each no-op application (median; rounds interleaved),
+    with the body and headers of a chat with memory (a user, its x-session-id)."""
+    body = {"user": "bench-floor", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    times: dict[str, list[float]] = {name: [] for name in FLOOR_PATHS}
     with ctx.client() as client:
-        for name, prefix in (("serve_floor_chain_ms", "/floor"), ("serve_floor_direct_ms", "/floor-direct")):
-            times = [stream_once(client, f"{prefix}/v1/chat/completions", body)["http_ms"] for _ in range(ctx.rounds + 10)]
-            out[name] = median(times[10:])
+        for round_index in range(ctx.rounds + 10):
+            for name, prefix in FLOOR_PATHS.items():
+                try:
+                    sample = stream_once(client, f"{prefix}/v1/chat/completions", body)["http_ms"]
+                except (RuntimeError, httpx.HTTPError):
+                    continue  # an application missing from this deployment (an older tree)
+                if round_index >= 10:
+                    times[name].append(sample)
+    out: dict[str, Any] = {"serve_floor_ladder_ms": {name: median(values) for name, values in times.items()}}
+    out["serve_floor_chain_ms"], out["serve_floor_direct_ms"] = out["serve_floor_ladder_ms"]["chain"], out["serve_floor_ladder_ms"]["direct"]
     # the floor with the service's own hop structure: proxy -> replica for routing: direct
     out["serve_floor_ms"] = out["serve_floor_direct_ms" if ctx.routing == "direct" else "serve_floor_chain_ms"]
     return out
