@@ -39,6 +39,16 @@ from serve_app.shard_router import UserShardRouter, replica_metadata
 EVENT = 'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":"ok"}}]}\n\n'
 DONE = "data: [DONE]\n\n"
 
+def one_event_stream() -> StreamingResponse:
+    """The answer of every floor: one server-sent event and [DONE]."""
+
+    async def events() -> AsyncIterator[str]:
+        yield EVENT
+        yield DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 chain_api = FastAPI()
 direct_api = FastAPI()
 routed_api = FastAPI()
@@ -82,12 +92,7 @@ class FloorDirect:
     @direct_api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> StreamingResponse:
         await request.json()
-
-        async def events() -> AsyncIterator[str]:
-            yield EVENT
-            yield DONE
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return one_event_stream()
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
@@ -99,12 +104,7 @@ class FloorDirectRouted:
     @routed_api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> StreamingResponse:
         await request.json()
-
-        async def events() -> AsyncIterator[str]:
-            yield EVENT
-            yield DONE
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return one_event_stream()
 
     def record_replica_metadata(self) -> dict[str, Any]:
         return replica_metadata(0, 1)

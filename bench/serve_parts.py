@@ -73,7 +73,7 @@ def median(values: list[float]) -> float | None:
 
 def stream_once(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """One streamed chat: ms to the first event and to the first content, the last chunk, headers."""
-    started = time.perf_counter()
+    sent_at, started = time.time(), time.perf_counter()
     first = first_content = None
     last: dict[str, Any] = {}
     session = {"x-session-id": body["user"]} if body.get("user") else None  # routing: direct goes straight to the shard
@@ -94,6 +94,11 @@ def stream_once(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[s
                 first_content = now
             last = chunk
     ingress = {name: float(ms) for name, ms in (p.split(";dur=") for p in timing.split(", ") if ";dur=" in p)}
+    handler_at = [float(p.split('"')[1]) for p in timing.split(", ") if p.startswith('started;desc="')]
+    if handler_at and "ingress" in ingress and first is not None:  # same host: one wall clock
+        # the client's time to the first event outside the ingress's handler: before it starts, after it returns
+        ingress["http_before_handler"] = (handler_at[0] - sent_at) * 1e3
+        ingress["http_after_handler"] = (first - started) * 1e3 - ingress["http_before_handler"] - ingress["ingress"]
     return {
         "http_ms": (first - started) * 1e3 if first is not None else None,
         "content_ms": (first_content - started) * 1e3 if first_content is not None else None,
@@ -176,16 +181,20 @@ def floor(ctx: Context) -> dict[str, Any]:
     with the body and headers of a chat with memory (a user, its x-session-id)."""
     body = {"user": "bench-floor", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     times: dict[str, list[float]] = {name: [] for name in FLOOR_PATHS}
+    split: dict[str, list[float]] = {}
     with ctx.client() as client:
         for round_index in range(ctx.rounds + 10):
             for name, prefix in FLOOR_PATHS.items():
                 try:
-                    sample = stream_once(client, f"{prefix}/v1/chat/completions", body)["http_ms"]
+                    sample = stream_once(client, f"{prefix}/v1/chat/completions", body)
                 except (RuntimeError, httpx.HTTPError):
                     continue  # an application missing from this deployment (an older tree)
                 if round_index >= 10:
-                    times[name].append(sample)
-    out: dict[str, Any] = {"serve_floor_ladder_ms": {name: median(values) for name, values in times.items()}}
+                    times[name].append(sample["http_ms"])
+                    for stage, ms in sample["stages"].items():  # floor_routes runs the service's routes: its stages
+                        split.setdefault(stage, []).append(ms)
+    out: dict[str, Any] = {"serve_floor_ladder_ms": {name: median(values) for name, values in times.items()},
+                           "serve_floor_routes_stages_ms": {stage: median(values) for stage, values in split.items()}}
     out["serve_floor_chain_ms"], out["serve_floor_direct_ms"] = out["serve_floor_ladder_ms"]["chain"], out["serve_floor_ladder_ms"]["direct"]
     # the floor with the service's own hop structure: proxy -> replica for routing: direct
     out["serve_floor_ms"] = out["serve_floor_direct_ms" if ctx.routing == "direct" else "serve_floor_chain_ms"]

@@ -35,6 +35,7 @@ class StageClock:
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
+        self.started_at = time.time()  # the same instant on the wall clock (Server-Timing `started`)
         self.stages: dict[str, float] = {}
 
     def since(self, start: float) -> float:
@@ -58,5 +59,9 @@ class StageClock:
             histogram.observe(ms / 1e3, tags={"stage": stage})
 
     def server_timing(self) -> str:
-        """The stages as an HTTP Server-Timing header value (W3C: `name;dur=ms, ...`)."""
-        return ", ".join(f"{stage};dur={ms:.3f}" for stage, ms in self.stages.items())
+        """The stages as an HTTP Server-Timing header value (W3C: `name;dur=ms, ...`), and when the
+        clock started (`started;desc="<unix seconds>"`): a client on the same host splits its own
+        time to the first byte into before the handler and after it (bench.serve_parts.stream_once)."""
+        stages = ", ".join(f"{stage};dur={ms:.3f}" for stage, ms in self.stages.items())
+        return f'{stages}, started;desc="{self.started_at:.6f}"'
+

@@ -161,6 +161,7 @@ def test_streamed_chat_equals_the_whole_answer(served_app: str) -> None:
     _post(f"{served_app}/v1/memories", {"user_id": "ines", "facts": ["Ines plays the oboe in an orchestra."], "wait_for_kv": True})
     body = {"user": "ines", "messages": [{"role": "user", "content": "Which instrument do I play?"}], "max_tokens": 20}
     whole = _post(f"{served_app}/v1/chat/completions", body)
+    sent_at = time.time()
     with requests.post(f"{served_app}/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=300) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         events = [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
@@ -181,8 +182,10 @@ def test_streamed_chat_equals_the_whole_answer(served_app: str) -> None:
     shard_work = stages["shard_embed"] + stages["shard_search"] + stages["shard_compose"]
     assert 0 < shard_work <= stages["plan_call"] <= stages["prepare"] < stages["replica_ttft"]
     assert 0 < stages["engine_ttft"] < stages["replica_ttft"] and abs(stages["plan_call"] - shard_work - stages["shard_hop"]) < 0.01
-    ingress = {name: float(ms) for name, ms in (part.split(";dur=") for part in response.headers["Server-Timing"].split(", "))}
+    *durations, started = response.headers["Server-Timing"].split(", ")
+    ingress = {name: float(ms) for name, ms in (part.split(";dur=") for part in durations)}
     assert set(ingress) == {"auth", "route", "replica_first_event", "ingress"}
+    assert started.startswith('started;desc="') and 0 < float(started.split('"')[1]) - sent_at < 120  # when the handler started
     assert stages["replica_ttft"] < ingress["replica_first_event"] < ingress["ingress"]  # the replica's time is inside the ingress's
     assert set(whole["timings"]) == set(stages)
     shards = requests.get(f"{served_app}/v1/shards", timeout=60).json()["results"]
