@@ -31,6 +31,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -176,7 +177,10 @@ class ServiceUnderTest:
         started = time.monotonic()
         command = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)]
         # its own session: with --keep-running it outlives this call (a later call measures it)
-        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # SIGINT (stop()) must reach `serve run` as Ctrl-C does: a shell's background job starts with
+        # it ignored, and the child would inherit that (then stop() could only kill, leaving orphans)
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         last = ""
         while time.monotonic() - started < timeout_s:
             if self.process.poll() is not None:
@@ -193,7 +197,7 @@ class ServiceUnderTest:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(2)
+            self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(60)
             except subprocess.TimeoutExpired:
@@ -220,7 +224,7 @@ def _running_service() -> dict[str, Any] | None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from bench import peer_parts, serve_parts, serve_profile
+    from bench import peer_parts, serve_parts, serve_path_parts, serve_profile
 
     deadline = time.monotonic() + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
@@ -249,7 +253,7 @@ def run(args: argparse.Namespace) -> None:
                                       routing=service.routing(), modes=tuple(args.ttft_modes.split(",")),
                                       ks=tuple(int(k) for k in args.ttft_ks.split(",")))
         for name in filter(None, args.parts.split(",")):
-            part = {**serve_parts.PARTS, **peer_parts.PARTS, **serve_profile.PARTS}[name]
+            part = {**serve_parts.PARTS, **serve_path_parts.PARTS, **peer_parts.PARTS, **serve_profile.PARTS}[name]
             if deadline - time.monotonic() < part.needs_s:
                 result["parts_skipped"].append(name)
                 print(f"[serve_h200] skipping {name}: {deadline - time.monotonic():.0f} s left", flush=True)
@@ -276,7 +280,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/serve-out"))
     parser.add_argument("--budget-s", type=float, default=560.0, help="stop starting parts after this many seconds")
     parser.add_argument("--rounds", type=int, default=30, help="TTFT requests per (mode, k) cell")
-    parser.add_argument("--parts", default="embedder,examples,ttft,floor,ingest,locust,diagnose",
+    parser.add_argument("--parts", default="embedder,examples,ttft,floor,first_chunk,ingest,locust,diagnose",
                         help="comma-separated; '' to only start; `peer` (bench/peer_parts.py, with KVMEM_ENGINE__MAX_MODEL_LEN=131072) is not in the default")
     parser.add_argument("--ttft-modes", default="none,prompt,kv", help="the ttft part's modes")
     parser.add_argument("--ttft-ks", default="5,10,20,50", help="the ttft part's top-k values")

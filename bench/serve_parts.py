@@ -8,8 +8,7 @@ Each part takes a Context and returns keys of serve_h200.json:
   (every cell of a round asks the same LoCoMo question of a user holding conversation 0's
   observation facts); beside it the engine's TTFT of the same request and every stage of it
   (the answer's `timings`, the ingress's Server-Timing header);
-- floor: the same timing through bench/serve_floor.py's no-op applications (`serve_floor_ms` is
-  the one with the service's hop structure: one deployment for `routing: direct`);
+- floor and first_chunk: in bench/serve_path_parts.py (Serve's floor and the HTTP path's own time);
 - ingest: bench.ingest_turns over conversation 0, one add per turn (per-add p50, KV live after
   the last add);
 - locust: loadtest/locustfile.py headless, closed loop, k = 50, 50 output tokens, per mode and
@@ -171,36 +170,6 @@ def ttft(ctx: Context) -> dict[str, Any]:
     return out
 
 
-FLOOR_PATHS = {  # bench/serve_floor.py's applications, from Serve's own floor up to the service's routes
-    "chain": "/floor", "direct": "/floor-direct", "direct_routed": "/floor-direct-routed", "routes": "/floor-routes",
-}
-
-
-def floor(ctx: Context) -> dict[str, Any]:
-    """Ms to the first streamed event through each no-op application (median; rounds interleaved),
-    with the body and headers of a chat with memory (a user, its x-session-id)."""
-    body = {"user": "bench-floor", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    times: dict[str, list[float]] = {name: [] for name in FLOOR_PATHS}
-    split: dict[str, list[float]] = {}
-    with ctx.client() as client:
-        for round_index in range(ctx.rounds + 10):
-            for name, prefix in FLOOR_PATHS.items():
-                try:
-                    sample = stream_once(client, f"{prefix}/v1/chat/completions", body)
-                except (RuntimeError, httpx.HTTPError):
-                    continue  # an application missing from this deployment (an older tree)
-                if round_index >= 10:
-                    times[name].append(sample["http_ms"])
-                    for stage, ms in sample["stages"].items():  # floor_routes runs the service's routes: its stages
-                        split.setdefault(stage, []).append(ms)
-    out: dict[str, Any] = {"serve_floor_ladder_ms": {name: median(values) for name, values in times.items()},
-                           "serve_floor_routes_stages_ms": {stage: median(values) for stage, values in split.items()}}
-    out["serve_floor_chain_ms"], out["serve_floor_direct_ms"] = out["serve_floor_ladder_ms"]["chain"], out["serve_floor_ladder_ms"]["direct"]
-    # the floor with the service's own hop structure: proxy -> replica for routing: direct
-    out["serve_floor_ms"] = out["serve_floor_direct_ms" if ctx.routing == "direct" else "serve_floor_chain_ms"]
-    return out
-
-
 def ingest(ctx: Context) -> dict[str, Any]:
     from bench.ingest_turns import one_way
     from bench.locomo_qa import Service
@@ -359,7 +328,6 @@ PARTS = {
     "embedder": Part(embedder, 30),
     "examples": Part(examples, 20),
     "ttft": Part(ttft, 90),
-    "floor": Part(floor, 15),
     "diagnose": Part(diagnose, 10),
     "ingest": Part(ingest, 90),
     "locust": Part(locust, 60),
