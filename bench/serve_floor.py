@@ -39,6 +39,7 @@ from serve_app.shard_router import UserShardRouter, replica_metadata
 EVENT = 'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":"ok"}}]}\n\n'
 DONE = "data: [DONE]\n\n"
 
+
 def one_event_stream() -> StreamingResponse:
     """The answer of every floor: one server-sent event and [DONE]."""
 
