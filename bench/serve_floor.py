@@ -52,7 +52,6 @@ def one_event_stream() -> StreamingResponse:
 
 chain_api = FastAPI()
 direct_api = FastAPI()
-routed_api = FastAPI()
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -95,19 +94,8 @@ class FloorDirect:
         await request.json()
         return one_event_stream()
 
-
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
-                  request_router_config=RequestRouterConfig(request_router_class=UserShardRouter))
-@serve.ingress(routed_api)
-class FloorDirectRouted:
-    """FloorDirect behind the service's request router, publishing shard 0 of 1 as a replica does."""
-
-    @routed_api.post("/v1/chat/completions")
-    async def chat(self, request: Request) -> StreamingResponse:
-        await request.json()
-        return one_event_stream()
-
     def record_replica_metadata(self) -> dict[str, Any]:
+        """Shard 0 of 1, as an LLM replica publishes it (read only behind UserShardRouter)."""
         return replica_metadata(0, 1)
 
 
@@ -147,4 +135,6 @@ def floor_routes_app(args: dict[str, Any] | None = None) -> serve.Application:
 
 floor_chain = FloorIngress.bind(FloorReplica.bind())
 floor_direct = FloorDirect.bind()
-floor_direct_routed = FloorDirectRouted.bind()
+floor_direct_routed = FloorDirect.options(
+    name="FloorDirectRouted", request_router_config=RequestRouterConfig(request_router_class=UserShardRouter)
+).bind()

