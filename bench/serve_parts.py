@@ -182,7 +182,7 @@ def ingest(ctx: Context) -> dict[str, Any]:
 def run_locust(ctx: Context, mode: str, users: int, seconds: int, prefix: Path, questions: str = "fixed") -> dict[str, Any]:
     """One closed-loop Locust run (k = 50, 50 output tokens) over the seeded pool, asking the
     locustfile's 8 built-in questions (`fixed`) or 400 different ones (`varied`): its CSV rows
-    for the chats (`chat`) and their first content (`first`)."""
+    for the chats (`chat`), their first content (`first`) and the replica's stages (`server`: stage -> row)."""
     env = dict(os.environ, KVMEM_LOADTEST_USERS=str(LOCUST_POOL), KVMEM_LOADTEST_FACTS="0", KVMEM_LOADTEST_MEMORY_MODE=mode,
                KVMEM_LOADTEST_TOP_K="50", KVMEM_LOADTEST_MAX_TOKENS="50", KVMEM_LOADTEST_WAIT_S="0",
                KVMEM_LOADTEST_API_KEY=ctx.admin_key, KVMEM_LOADTEST_QUESTIONS=questions)
@@ -190,7 +190,8 @@ def run_locust(ctx: Context, mode: str, users: int, seconds: int, prefix: Path, 
                "-t", f"{seconds}s", "--host", ctx.url, "--csv", str(prefix), "--only-summary", "--processes", "4"]
     subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=seconds + 60)
     rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(f"{prefix}_stats.csv"))}
-    return {"chat": rows.get(("POST", "chat"), {}), "first": rows.get(("TTFT", "chat"), {})}
+    server = {name: row for (kind, name), row in rows.items() if kind == "SERVER"}
+    return {"chat": rows.get(("POST", "chat"), {}), "first": rows.get(("TTFT", "chat"), {}), "server": server}
 
 
 def seed_locust_pool(ctx: Context) -> None:
@@ -214,6 +215,8 @@ def locust(ctx: Context) -> dict[str, Any]:
         suffix = "" if questions == "fixed" else f"_{questions}"
         qps: dict[str, dict[str, float]] = out.setdefault(f"locust_qps{suffix}", {})
         latency: dict[str, dict[str, dict[str, float]]] = out.setdefault(f"locust_ttft_ms{suffix}", {})
+        # mode -> users -> stage -> [p50, p99] ms: the replica's stages under load, and outside_replica
+        server: dict[str, dict[str, dict[str, list[float]]]] = out.setdefault(f"locust_server_ms{suffix}", {})
         for users in ctx.locust_users:
             for mode in ("kv", "prompt", "none"):
                 if time.monotonic() + seconds + 15 > ctx.deadline:
@@ -224,6 +227,9 @@ def locust(ctx: Context) -> dict[str, Any]:
                 latency.setdefault(mode, {})[str(users)] = {"ttft_p50_ms": float(first.get("50%", 0) or 0),
                                                             "ttft_p99_ms": float(first.get("99%", 0) or 0),
                                                             "failures": int(chat.get("Failure Count", 0) or 0)}
+                server.setdefault(mode, {})[str(users)] = {
+                    stage: [float(row.get("50%", 0) or 0), float(row.get("99%", 0) or 0)] for stage, row in rows["server"].items()
+                }
     return out
 
 
@@ -267,6 +273,12 @@ def report(result: dict[str, Any]) -> str:
             lines.append(f"{mode:<8} http/eng " + "".join(f"{http[mode].get(str(k))!s:>7}/{engine[mode].get(str(k))!s:<7}" for k in KS))
     if "locust_qps" in result:
         lines.append(f"Locust QPS k=50: {json.dumps(result['locust_qps'])}")
+    for key in ("locust_server_ms", "locust_server_ms_varied"):  # the replica's stages at the most users
+        for mode, by_users in result.get(key, {}).items():
+            most = max(by_users, key=int, default=None)
+            if most is not None:
+                stages = ", ".join(f"{stage} {p50:g}" for stage, (p50, _) in by_users[most].items())
+                lines.append(f"{key} {mode} {most} users, p50 ms: {stages}")
     if "ingest" in result:
         lines.append(f"ingest: per-add p50 {result['ingest']['per_add_p50_ms']} ms, KV live {result['ingest']['kv_live_after_last_add_s']} s after the last add")
     return "\n".join(lines)

@@ -12,7 +12,11 @@ KVMEM_LOADTEST_QUESTIONS=varied draws from 400 different questions instead of th
 (with 8, a user soon repeats a question, and prompt injection is then served from vLLM's prefix
 cache: it measures the cache, not the memory). Chat responses are streamed (server-sent events): besides
 the POST row (time to the response headers), Locust reports the time to the first content
-chunk ("TTFT chat") and to the end of the stream ("COMPLETE chat") as rows of their own. A request counts as failed unless it answers 200 with a well-formed
+chunk ("TTFT chat") and to the end of the stream ("COMPLETE chat") as rows of their own, and the
+replica's own stage timings from the stream's last chunk as "SERVER <stage>" rows (e.g. SERVER
+replica_ttft, engine_ttft, prepare), with "SERVER outside_replica" = TTFT chat - replica_ttft: the
+time a chat spent in the proxy, in Serve's queues and on the wire, so a slow TTFT under load is
+placed without another tool. A request counts as failed unless it answers 200 with a well-formed
 stream ending in [DONE] and a non-empty assistant message.
 
     mkdir -p bench/results
@@ -94,6 +98,18 @@ def stream_problem(status_code: int, lines: Iterable[str], error: str = "") -> s
     return None
 
 
+def server_timings(lines: Iterable[str]) -> dict[str, float]:
+    """The replica's stage timings in ms (the `timings` field of the stream's finishing chunk,
+    serve_app.stage_timings), or {} when the stream carries none."""
+    for line in reversed(list(lines)):
+        if line.startswith("data: {") and '"timings"' in line:
+            try:
+                return {str(stage): float(ms) for stage, ms in json.loads(line[len("data: ") :])["timings"].items()}
+            except (ValueError, LookupError, TypeError, AttributeError):
+                return {}
+    return {}
+
+
 USERS = user_pool(int(os.environ.get("KVMEM_LOADTEST_USERS", "20")))
 FACTS_PER_USER = int(os.environ.get("KVMEM_LOADTEST_FACTS", "20"))
 MEMORY_MODE = os.environ.get("KVMEM_LOADTEST_MEMORY_MODE", "kv")
@@ -140,11 +156,16 @@ class ChatUser(HttpUser):
                 return
             response.success()
         finished = time.perf_counter()
-        for kind, at in (("TTFT", first_content_at), ("COMPLETE", finished)):
-            if at is not None:
-                self.environment.events.request.fire(
-                    request_type=kind, name="chat", response_time=(at - started) * 1000, response_length=0, exception=None, context={}
-                )
+        rows = [("TTFT", "chat", first_content_at), ("COMPLETE", "chat", finished)]
+        rows = [(kind, name, (at - started) * 1000) for kind, name, at in rows if at is not None]
+        timings = server_timings(lines)
+        rows += [("SERVER", stage, ms) for stage, ms in timings.items()]
+        if first_content_at is not None and "replica_ttft" in timings:
+            rows.append(("SERVER", "outside_replica", (first_content_at - started) * 1000 - timings["replica_ttft"]))
+        for kind, name, ms in rows:
+            self.environment.events.request.fire(
+                request_type=kind, name=name, response_time=ms, response_length=0, exception=None, context={}
+            )
 
     @task(1)
     def health(self) -> None:

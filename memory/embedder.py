@@ -66,13 +66,32 @@ class Embedder:
         graphs (CPU) the row is computed here."""
         graphs = self.query_graphs()
         if graphs is not None:
-            tokenizer = self._model.tokenizer
-            ids = tokenizer(text, truncation=True, max_length=self._model.max_seq_length)["input_ids"]
-            row = graphs.launch(ids)
+            row = graphs.launch(self.query_ids(text))
             if row is not None:
                 return lambda: row.float().cpu().numpy()
         computed = self.embed([text])[0]
         return lambda: computed
+
+    def query_ids(self, text: str) -> list[int]:
+        """The query's token ids as encode() tokenizes it (special tokens, truncated to the model's
+        max_seq_length). With a fast tokenizer, a copy of its Rust backend set to that truncation
+        and no padding is called directly: the same ids (tested) at half the per-call cost of the
+        tokenizer's own call, which every chat pays on its planning path."""
+        tokenizer = self._model.tokenizer
+        limit = self._model.max_seq_length
+        if not hasattr(self, "_query_tokenizer"):
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            self._query_tokenizer = None
+            if backend is not None:
+                from tokenizers import Tokenizer
+
+                # a copy: the tokenizer's own calls set the backend's truncation and padding per call
+                self._query_tokenizer = Tokenizer.from_str(backend.to_str())
+                self._query_tokenizer.enable_truncation(limit)
+                self._query_tokenizer.no_padding()
+        if self._query_tokenizer is not None:
+            return self._query_tokenizer.encode(text).ids
+        return tokenizer(text, truncation=True, max_length=limit)["input_ids"]
 
     def query_graphs(self) -> "QueryGraphs | None":
         """The CUDA graphs behind embed_query (made on first use), or None (CPU, other pipelines)."""

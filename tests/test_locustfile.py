@@ -8,6 +8,7 @@ the bodies are validated here against the service's own request model.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -134,7 +135,9 @@ def test_headless_run_sends_what_the_environment_asks(tmp_path: Path) -> None:
     import threading
 
     seen: list[tuple[str, dict[str, str], dict[str, Any] | None]] = []
-    stream = "\n\n".join(GOOD_STREAM_EVENTS).encode() + b"\n\n"
+    finishing = json.loads(GOOD_STREAM_EVENTS[-2][len("data: "):]) | {"timings": {"prepare": 0.5, "replica_ttft": 3.25}}
+    events = [*GOOD_STREAM_EVENTS[:-2], "data: " + json.dumps(finishing), GOOD_STREAM_EVENTS[-1]]
+    stream = "\n\n".join(events).encode() + b"\n\n"
 
     class Recorder(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -169,7 +172,7 @@ def test_headless_run_sends_what_the_environment_asks(tmp_path: Path) -> None:
     try:
         run = subprocess.run(
             [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "2", "-r", "2", "-t", "4s",
-             "--host", f"http://127.0.0.1:{server.server_address[1]}", "--only-summary"],
+             "--host", f"http://127.0.0.1:{server.server_address[1]}", "--only-summary", "--csv", str(tmp_path / "run")],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
         )
     finally:
@@ -182,7 +185,11 @@ def test_headless_run_sends_what_the_environment_asks(tmp_path: Path) -> None:
         assert headers["authorization"] == "Bearer kvm-locust-test"
         assert headers["x-session-id"] == body["user"]
         assert body["memory"] == {"mode": "prompt", "top_k": 7} and body["max_tokens"] == 5
-
+    # the replica's stage timings from the finishing chunk are rows of their own, and so is the rest of TTFT
+    rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(tmp_path / "run_stats.csv"))}
+    assert float(rows[("SERVER", "replica_ttft")]["Median Response Time"]) == 3.25
+    assert float(rows[("SERVER", "prepare")]["Median Response Time"]) == 0.5
+    assert int(rows[("SERVER", "outside_replica")]["Request Count"]) == int(rows[("TTFT", "chat")]["Request Count"]) >= 20
 
 
 def test_the_varied_question_set_asks_400_different_questions() -> None:

@@ -24,3 +24,17 @@ def test_a_query_embeds_as_the_batch_path_does_and_the_graphed_forward_is_the_sa
         graphed.model = embedder._model[0].auto_model
         with torch.inference_mode():
             np.testing.assert_allclose(graphed._forward(torch.tensor([ids])).numpy(), row, atol=1e-6)
+
+
+def test_query_ids_are_the_tokenizers_own_also_past_the_models_length() -> None:
+    """Embedder.query_ids (the Rust backend, called directly) gives what the tokenizer's own call
+    with the model's truncation gives, for short queries and one longer than max_seq_length."""
+    from memory.embedder import Embedder
+
+    embedder = Embedder(device="cpu")
+    tokenizer, limit = embedder._model.tokenizer, embedder._model.max_seq_length
+    long_query = " ".join(f"word{i}" for i in range(2 * limit))
+    for query in ("What is my cat called?", "Caf\u00e9 na\u00efve \u2014 \U0001f600?", long_query):
+        expected = tokenizer(query, truncation=True, max_length=limit)["input_ids"]
+        assert embedder.query_ids(query) == expected
+    assert len(embedder.query_ids(long_query)) == limit
