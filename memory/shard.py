@@ -16,7 +16,11 @@ is prefilled as text after the injected ones: the answer never depends on whethe
 On (re)start the shard rebuilds its index from Redis and adopts the arena's live entries that
 match its facts (memory.kv_lifecycle.adopt_arena): the arena lives in shared memory and
 survives the shard's and the replica's processes, so a restart re-encodes only what is missing,
-and killing the shard loses nothing that was acknowledged. An encode that keeps failing is
+and killing the shard loses nothing that was acknowledged. A write whose Redis call fails may still
+have been applied (Redis died before answering): its user is marked unsure, and before the
+user's next call, and on the encode driver's next poll, the shard re-reads that user's records and
+takes Redis's word (memory.read_repair: adopts records it lacks, drops ones Redis no longer has, takes
+new versions). An encode that keeps failing is
 given up after `max_encode_attempts`; the fact is then served as text and its record (get) and
 the shard's stats say why.
 """
@@ -41,6 +45,7 @@ from memory.index import build_index
 from memory.kv_lifecycle import PREFIX_KEY, EncodeJob, EncodeOutcome, FactKV, FactKVLifecycle
 from memory.planner import ChatPlan, MemoryHit, plan_chat
 from memory.prompting import PromptLayout
+from memory.read_repair import ReadRepair
 from memory.settings import MemorySettings
 
 logger = logging.getLogger(__name__)
@@ -106,6 +111,7 @@ class MemoryShard:
             salt_of=lambda user_id: scope_cache_salt(f"{settings.redis_prefix}:{user_id}"),
         )
         self.facts: dict[str, FactKV] = self.kv.facts  # fact id -> its KV state (the same dict)
+        self.read_repair = ReadRepair(self)  # users whose last write's Redis call failed (module docstring)
         self._rebuild()
 
     # ================================================================== start-up
@@ -179,21 +185,25 @@ class MemoryShard:
         facts = [NewFact.model_validate(f) for f in facts]
         if not facts:
             return []
-        self.store.claim_user(user_id, self.shard_id)
+        self.read_repair.repair(user_id)
         embeddings = self.embedder.embed([f.text for f in facts])
         results = []
-        for fact, embedding in zip(facts, embeddings):
-            record, created = self.store.add(user_id, fact, embedding)
-            if created or record.fact_id not in self.facts:
-                self.index.add([record.fact_id], [user_id], embedding[None, :])
-                self.kv.track(record, urgent=True)
-            results.append({"id": record.fact_id, "memory": record.text, "event": "ADD" if created else "NONE"})
+        with self.read_repair.writing(user_id):
+            self.store.claim_user(user_id, self.shard_id)
+            for fact, embedding in zip(facts, embeddings):
+                record, created = self.store.add(user_id, fact, embedding)
+                if created or record.fact_id not in self.facts:
+                    self.index.add([record.fact_id], [user_id], embedding[None, :])
+                    self.kv.track(record, urgent=True)
+                results.append({"id": record.fact_id, "memory": record.text, "event": "ADD" if created else "NONE"})
         return results
 
     def update(self, fact_id: str, user_id: str, text: str) -> FactRecord:
         """New text, new embedding, new KV; the old KV is released and never injected again."""
         embedding = self.embedder.embed([text])[0]
-        record = self.store.update(fact_id, user_id, text, embedding)
+        self.read_repair.repair(user_id)
+        with self.read_repair.writing(user_id):
+            record = self.store.update(fact_id, user_id, text, embedding)
         self.kv.drop_kv(fact_id)
         self.index.add([fact_id], [user_id], embedding[None, :])
         self.kv.track(record, urgent=True)
@@ -201,12 +211,15 @@ class MemoryShard:
         return record
 
     def delete(self, fact_id: str, user_id: str) -> FactRecord:
-        record = self.store.delete(fact_id, user_id)
+        self.read_repair.repair(user_id)
+        with self.read_repair.writing(user_id):
+            record = self.store.delete(fact_id, user_id)
         self._forget(fact_id)
         return record
 
     def delete_all(self, user_id: str) -> int:
-        ids = self.store.delete_all(user_id)
+        with self.read_repair.writing(user_id):
+            ids = self.store.delete_all(user_id)
         for fact_id in ids:
             self._forget(fact_id)
         self.index.clear_user(user_id)
@@ -222,6 +235,7 @@ class MemoryShard:
         return self._with_kv(self.store.get(fact_id, user_id))
 
     def get_all(self, user_id: str) -> list[StoredFact]:
+        self.read_repair.repair(user_id)
         return [self._with_kv(record) for record in self.store.get_all(user_id)]
 
     def _with_kv(self, record: FactRecord) -> StoredFact:
@@ -236,6 +250,7 @@ class MemoryShard:
         """The user's top-k facts for `query`, most similar first."""
         if k <= 0:
             return []
+        self.read_repair.repair(user_id)
         return self._hits(user_id, self.embedder.embed_query(query), k)
 
     def _hits(self, user_id: str, vector: np.ndarray, k: int) -> list[MemoryHit]:
@@ -262,6 +277,8 @@ class MemoryShard:
 
         On a GPU the query's embedding runs while the conversation is tokenized (the chat
         template: composition's fixed cost), so `shard_embed` is only the part not hidden."""
+        if self.read_repair.unsure:
+            self.read_repair.repair(user_id)
         timings: dict[str, float] = {}
         hits: list[MemoryHit] = []
         suffix: list[int] | None = None
@@ -301,7 +318,10 @@ class MemoryShard:
 
     # ================================================================== encoding
     def take_encode_jobs(self, max_jobs: int | None = None) -> list[EncodeJob]:
-        """Allocate arena entries for queued facts and hand out their capture jobs."""
+        """Allocate arena entries for queued facts and hand out their capture jobs (the encode
+        driver polls this, so an unsure user is repaired here too, even if they never come back)."""
+        if self.read_repair.unsure:
+            self.read_repair.repair()
         return self.kv.take_jobs(max_jobs or self.settings.encode_batch, self.settings.encode_batch_tokens)
 
     def complete_encode_jobs(self, outcomes: dict[str, EncodeOutcome]) -> int:
@@ -325,6 +345,8 @@ class MemoryShard:
             "facts_with_kv": len(self.kv.lru),
             "facts_encoded_total": self.kv.facts_encoded,
             "kv_evictions_total": self.kv.evictions,  # entries released for room: the arena is too small when it climbs
+            "users_unsure": len(self.read_repair.unsure),  # a write of theirs failed; resynced from Redis when it answers
+            "users_resynced_total": self.read_repair.resynced,
             "pending_encodes": self.pending_encodes(),
             "index_vectors": len(self.index),
             "index_backend": f"{type(self.index).__name__} on {getattr(self.index, 'device', 'cpu')}",  # CagraIndex | ExactIndex

@@ -1,0 +1,80 @@
+"""Read repair: a shard takes Redis's word for a user after one of the user's writes failed.
+
+A write's Redis call can fail after Redis applied it (Redis died before answering). The caller
+got an error, so nothing was acknowledged, yet Redis, the source of truth, now holds a record the
+shard does not index (an add), a version it does not serve (an update), or lacks a fact the shard
+still retrieves (a delete). The shard marks the user unsure when a write raises; before the user's
+next call, and on the encode driver's next poll (so a user who never comes back is repaired too),
+it re-reads the user's records and makes its view Redis's (ReadRepair.resync_user). While Redis
+cannot answer, the user stays unsure and the shard serves what it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from memory.shard import MemoryShard
+
+logger = logging.getLogger(__name__)
+
+
+class ReadRepair:
+    """The unsure users of one shard and their repair (module docstring)."""
+
+    def __init__(self, shard: "MemoryShard") -> None:
+        self.shard = shard
+        self.unsure: set[str] = set()
+        self.resynced = 0  # users resynced since the shard started
+
+    @contextlib.contextmanager
+    def writing(self, user_id: str) -> Iterator[None]:
+        """Around a write of the user's records: if it raises, Redis may have applied it anyway."""
+        try:
+            yield
+        except Exception:
+            self.unsure.add(user_id)
+            raise
+
+    def repair(self, user_id: str | None = None) -> None:
+        """Resync the user (None: every unsure user) when a write of theirs failed."""
+        for user in [user_id] if user_id is not None else list(self.unsure):
+            if user not in self.unsure:
+                continue
+            try:
+                changed = self.resync_user(user)
+            except Exception as exc:  # noqa: BLE001 - Redis still away: the next call tries again
+                logger.warning("shard %d: user %s stays unsure: %s", self.shard.shard_id, user, exc)
+                continue
+            self.unsure.discard(user)
+            self.resynced += 1
+            if changed:
+                logger.warning("shard %d: resynced user %s from Redis: %s", self.shard.shard_id, user, changed)
+
+    def resync_user(self, user_id: str) -> dict[str, int]:
+        """Make the shard's view of the user's facts Redis's: records it lacks are indexed (with
+        their stored embeddings) and queued for KV, newer versions replace older ones, facts Redis
+        no longer holds are forgotten. Returns how many of each (non-zero counts only)."""
+        shard = self.shard
+        stored = {record.fact_id: (record, vector) for record, vector in shard.store.all_with_embeddings(user_id)}
+        gone = [fact_id for fact_id, state in shard.facts.items() if state.user_id == user_id and fact_id not in stored]
+        for fact_id in gone:
+            shard._forget(fact_id)
+        adopted = renewed = 0
+        for fact_id, (record, vector) in stored.items():
+            state = shard.facts.get(fact_id)
+            if state is not None and state.version == record.version:
+                continue
+            if state is not None:  # an update Redis applied: the old KV is never injected again
+                shard.kv.drop_kv(fact_id)
+            shard.index.add([fact_id], [user_id], vector[None, :])
+            shard.kv.track(record, urgent=True)
+            if state is not None:
+                shard.kv.reencode_dependents(fact_id)
+                renewed += 1
+            else:
+                adopted += 1
+        counts = {"adopted": adopted, "renewed": renewed, "forgotten": len(gone)}
+        return {name: n for name, n in counts.items() if n}
