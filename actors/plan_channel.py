@@ -10,8 +10,9 @@ and nothing else: every other shard call stays a Ray call (actors.shard_client).
 - PlanServer runs in the shard actor's process, on a thread of its own; each request runs
   under the lock that also serializes the actor's Ray calls (actors.shard_actor.ShardActor), so
   the shard still runs one call at a time. The address is a Unix socket file beside the shard's
-  arena, readable and writable by its owner only: the channel answers with users' facts and
-  takes pickles, so no other local account may connect (an abstract socket would have no
+  arena (for a long arena path, in this account's 0700 folder), readable and writable by its
+  owner only: the channel answers with users' facts and takes pickles, so no other local account
+  may connect, nor put its own socket in the shard's place (an abstract socket would have no
   permissions at all). A restarted shard replaces the file.
 - PlanClient is the replica's end: one DEALER socket, many requests in flight, one reader task
   that hands each reply to its waiting request. A request that gets no answer within the
@@ -31,6 +32,7 @@ import itertools
 import logging
 import os
 import pickle
+import stat
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -67,11 +69,32 @@ _MAX_SOCKET_PATH = 100  # sockaddr_un holds 107 bytes
 
 def plan_channel_address(arena_path: str) -> str:
     """The channel of the shard whose arena is at `arena_path`: a socket file beside it, or, for
-    an arena path too long for a Unix socket, one in the temporary folder named by its hash."""
+    an arena path too long for a Unix socket, one named by its hash in this account's private
+    folder (private_socket_folder): never in a folder where another account could put its own
+    socket first and be asked for plans (and answer with pickles) in the shard's place."""
     path = f"{arena_path}.plan.sock"
     if len(path) > _MAX_SOCKET_PATH:
-        path = os.path.join(tempfile.gettempdir(), f"kvmem-plan-{hashlib.sha1(arena_path.encode()).hexdigest()[:24]}.sock")
+        name = f"kvmem-plan-{hashlib.sha1(arena_path.encode()).hexdigest()[:24]}.sock"
+        path = os.path.join(private_socket_folder(), name)
     return f"ipc://{path}"
+
+
+def private_socket_folder() -> str:
+    """`kvmem-<uid>` in $XDG_RUNTIME_DIR (else the temporary folder), made 0700 by this account.
+    Raises PermissionError when it exists but is not a folder of this account closed to others
+    (another account made it first): the shard then fails to start, with this reason, rather
+    than talk through a folder someone else controls. Both ends check it."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    folder = os.path.join(runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir(), f"kvmem-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(
+            f"{folder} must be a folder owned by uid {os.getuid()} that no one else may use (mode 0700): "
+            "remove it, or give memory.arena_dir a shorter path"
+        )
+    return folder
 
 
 def _reply(outcome: tuple[str, Any]) -> bytes:

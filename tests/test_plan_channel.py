@@ -232,3 +232,41 @@ def test_the_shard_actor_plans_over_its_channel_as_over_ray_also_after_a_restart
         assert over_channel.plans_over_ray == 0
     finally:
         ray.shutdown()
+
+
+def test_a_long_arena_path_gets_its_socket_in_a_folder_only_this_account_may_use(monkeypatch) -> None:
+    """An arena path too long for a Unix socket puts the channel in `kvmem-<uid>` (0700, ours),
+    which serves plans like any other address; a folder of that name that others may write (made
+    by another account first) is refused with the reason, at the server's and the client's end."""
+    import os
+    import shutil
+    import stat
+    import tempfile
+    from pathlib import Path
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short, as /run/user/<uid> is
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    address = plan_channel_address("/dev/shm/" + "a" * 120)
+    folder = tmp_path / f"kvmem-{os.getuid()}"
+    assert address == plan_channel_address("/dev/shm/" + "a" * 120)  # both ends compute the same one
+    assert address.startswith(f"ipc://{folder}/kvmem-plan-") and len(address) - len("ipc://") <= 107
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    running = PlanServer(echo_plan, address, threading.RLock()).start()
+    client = PlanClient(address, 5.0)
+
+    async def plan_once() -> ChatPlan:
+        try:
+            return await client.plan(ask("alice"))
+        finally:
+            client.close()
+
+    try:
+        assert asyncio.run(plan_once()).cache_salt == "alice"
+    finally:
+        running.close()
+    folder.chmod(0o777)  # as if another account had made it for everyone
+    try:
+        with pytest.raises(PermissionError, match="0700"):
+            plan_channel_address("/dev/shm/" + "b" * 120)
+    finally:
+        shutil.rmtree(tmp_path)
