@@ -4,21 +4,26 @@ A write's Redis call can fail after Redis applied it (Redis died before answerin
 got an error, so nothing was acknowledged, yet Redis, the source of truth, now holds a record the
 shard does not index (an add), a version it does not serve (an update), or lacks a fact the shard
 still retrieves (a delete). The shard marks the user unsure when a write raises; before the user's
-next call, and on the encode driver's next poll (so a user who never comes back is repaired too),
-it re-reads the user's records and makes its view Redis's (ReadRepair.resync_user). While Redis
-cannot answer, the user stays unsure and the shard serves what it has.
+call that reads or writes their memory through Redis anyway, and on the encode driver's poll
+(every 0.5 s, so a user who never comes back is repaired too, and chats see the repair within
+that), it re-reads the user's records and makes its view Redis's (ReadRepair.resync_user). The
+chat path itself never waits for Redis: while Redis cannot answer, the user stays unsure, chats
+are planned from what the shard has, and the poll tries again at most every RETRY_S seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     from memory.shard import MemoryShard
 
 logger = logging.getLogger(__name__)
+
+RETRY_S = 5.0  # the poll's pause after a resync failed (Redis away): the shard's other calls go on
 
 
 class ReadRepair:
@@ -28,6 +33,7 @@ class ReadRepair:
         self.shard = shard
         self.unsure: set[str] = set()
         self.resynced = 0  # users resynced since the shard started
+        self._poll_after = 0.0  # monotonic time before which the poll does not try again
 
     @contextlib.contextmanager
     def writing(self, user_id: str) -> Iterator[None]:
@@ -39,7 +45,10 @@ class ReadRepair:
             raise
 
     def repair(self, user_id: str | None = None) -> None:
-        """Resync the user (None: every unsure user) when a write of theirs failed."""
+        """Resync the user when a write of theirs failed; None (the encode driver's poll): every
+        unsure user, unless a resync failed less than RETRY_S ago."""
+        if user_id is None and time.monotonic() < self._poll_after:
+            return
         for user in [user_id] if user_id is not None else list(self.unsure):
             if user not in self.unsure:
                 continue
@@ -47,6 +56,7 @@ class ReadRepair:
                 changed = self.resync_user(user)
             except Exception as exc:  # noqa: BLE001 - Redis still away: the next call tries again
                 logger.warning("shard %d: user %s stays unsure: %s", self.shard.shard_id, user, exc)
+                self._poll_after = time.monotonic() + RETRY_S
                 continue
             self.unsure.discard(user)
             self.resynced += 1

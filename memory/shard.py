@@ -17,10 +17,10 @@ On (re)start the shard rebuilds its index from Redis and adopts the arena's live
 match its facts (memory.kv_lifecycle.adopt_arena): the arena lives in shared memory and
 survives the shard's and the replica's processes, so a restart re-encodes only what is missing,
 and killing the shard loses nothing that was acknowledged. A write whose Redis call fails may still
-have been applied (Redis died before answering): its user is marked unsure, and before the
-user's next call, and on the encode driver's next poll, the shard re-reads that user's records and
-takes Redis's word (memory.read_repair: adopts records it lacks, drops ones Redis no longer has, takes
-new versions). An encode that keeps failing is
+have been applied (Redis died before answering): its user is marked unsure, and on the user's next
+call that uses Redis, and on the encode driver's poll (never on the chat path), the shard re-reads
+that user's records and takes Redis's word (memory.read_repair: adopts records it lacks, drops ones
+Redis no longer has, takes new versions). An encode that keeps failing is
 given up after `max_encode_attempts`; the fact is then served as text and its record (get) and
 the shard's stats say why.
 """
@@ -277,8 +277,6 @@ class MemoryShard:
 
         On a GPU the query's embedding runs while the conversation is tokenized (the chat
         template: composition's fixed cost), so `shard_embed` is only the part not hidden."""
-        if self.read_repair.unsure:
-            self.read_repair.repair(user_id)
         timings: dict[str, float] = {}
         hits: list[MemoryHit] = []
         suffix: list[int] | None = None
