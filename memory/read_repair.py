@@ -33,7 +33,7 @@ class ReadRepair:
         self.shard = shard
         self.unsure: set[str] = set()
         self.resynced = 0  # users resynced since the shard started
-        self._poll_after = 0.0  # monotonic time before which the poll does not try again
+        self.poll_after = 0.0  # monotonic time before which the poll does not try again (a resync failed)
 
     @contextlib.contextmanager
     def writing(self, user_id: str) -> Iterator[None]:
@@ -47,7 +47,7 @@ class ReadRepair:
     def repair(self, user_id: str | None = None) -> None:
         """Resync the user when a write of theirs failed; None (the encode driver's poll): every
         unsure user, unless a resync failed less than RETRY_S ago."""
-        if user_id is None and time.monotonic() < self._poll_after:
+        if user_id is None and time.monotonic() < self.poll_after:
             return
         for user in [user_id] if user_id is not None else list(self.unsure):
             if user not in self.unsure:
@@ -56,7 +56,7 @@ class ReadRepair:
                 changed = self.resync_user(user)
             except Exception as exc:  # noqa: BLE001 - Redis still away: the next call tries again
                 logger.warning("shard %d: user %s stays unsure: %s", self.shard.shard_id, user, exc)
-                self._poll_after = time.monotonic() + RETRY_S
+                self.poll_after = time.monotonic() + RETRY_S
                 continue
             self.unsure.discard(user)
             self.resynced += 1
@@ -71,20 +71,13 @@ class ReadRepair:
         stored = {record.fact_id: (record, vector) for record, vector in shard.store.all_with_embeddings(user_id)}
         gone = [fact_id for fact_id, state in shard.facts.items() if state.user_id == user_id and fact_id not in stored]
         for fact_id in gone:
-            shard._forget(fact_id)
+            shard.forget(fact_id)
         adopted = renewed = 0
         for fact_id, (record, vector) in stored.items():
             state = shard.facts.get(fact_id)
             if state is not None and state.version == record.version:
                 continue
-            if state is not None:  # an update Redis applied: the old KV is never injected again
-                shard.kv.drop_kv(fact_id)
-            shard.index.add([fact_id], [user_id], vector[None, :])
-            shard.kv.track(record, urgent=True)
-            if state is not None:
-                shard.kv.reencode_dependents(fact_id)
-                renewed += 1
-            else:
-                adopted += 1
+            shard.track_version(record, vector)  # an update Redis applied: the old KV is never injected again
+            adopted, renewed = adopted + (state is None), renewed + (state is not None)
         counts = {"adopted": adopted, "renewed": renewed, "forgotten": len(gone)}
         return {name: n for name, n in counts.items() if n}

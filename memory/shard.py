@@ -193,8 +193,7 @@ class MemoryShard:
             for fact, embedding in zip(facts, embeddings):
                 record, created = self.store.add(user_id, fact, embedding)
                 if created or record.fact_id not in self.facts:
-                    self.index.add([record.fact_id], [user_id], embedding[None, :])
-                    self.kv.track(record, urgent=True)
+                    self.track_version(record, embedding)
                 results.append({"id": record.fact_id, "memory": record.text, "event": "ADD" if created else "NONE"})
         return results
 
@@ -204,28 +203,38 @@ class MemoryShard:
         self.read_repair.repair(user_id)
         with self.read_repair.writing(user_id):
             record = self.store.update(fact_id, user_id, text, embedding)
-        self.kv.drop_kv(fact_id)
-        self.index.add([fact_id], [user_id], embedding[None, :])
-        self.kv.track(record, urgent=True)
-        self.kv.reencode_dependents(fact_id)
+        self.track_version(record, embedding)
         return record
 
     def delete(self, fact_id: str, user_id: str) -> FactRecord:
         self.read_repair.repair(user_id)
         with self.read_repair.writing(user_id):
             record = self.store.delete(fact_id, user_id)
-        self._forget(fact_id)
+        self.forget(fact_id)
         return record
 
     def delete_all(self, user_id: str) -> int:
         with self.read_repair.writing(user_id):
             ids = self.store.delete_all(user_id)
         for fact_id in ids:
-            self._forget(fact_id)
+            self.forget(fact_id)
         self.index.clear_user(user_id)
         return len(ids)
 
-    def _forget(self, fact_id: str) -> None:
+    def track_version(self, record: FactRecord, vector: np.ndarray) -> None:
+        """Index this version of a fact (its embedding `vector`) and queue its KV first. When it
+        replaces a version the shard tracks, the old KV is dropped (never injected again) and the
+        facts encoded behind the old text are re-encoded."""
+        replaces = record.fact_id in self.facts
+        if replaces:
+            self.kv.drop_kv(record.fact_id)
+        self.index.add([record.fact_id], [record.user_id], vector[None, :])
+        self.kv.track(record, urgent=True)
+        if replaces:
+            self.kv.reencode_dependents(record.fact_id)
+
+    def forget(self, fact_id: str) -> None:
+        """Drop a deleted fact from the index and the KV store; re-encode what was encoded behind it."""
         self.kv.forget(fact_id)
         self.kv.reencode_dependents(fact_id)
         self.index.remove([fact_id])

@@ -9,6 +9,7 @@ the shard hears back, and the shard sees the ConnectionError a dead server gives
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -68,10 +69,11 @@ def test_an_add_redis_applied_but_never_answered_is_adopted_once_redis_is_back(s
     # Redis away: chats are served from what the shard has, and the user stays unsure
     assert planned_texts(shard, user) == {"I have a cat called Miso."}
     assert shard.take_encode_jobs() is not None and shard.read_repair.unsure == {user}
-    shard.read_repair._poll_after = 0.0  # the poll waits RETRY_S after a failed resync; the user's own call does not
+    assert shard.read_repair.poll_after > time.monotonic()  # the poll waits RETRY_S before it tries again ...
+    assert shard.stats()["users_unsure"] == 1
 
     server.start()  # back with the applied add (appendfsync always)
-    listed = {fact.text: fact for fact in shard.get_all(user)}
+    listed = {fact.text: fact for fact in shard.get_all(user)}  # ... a call of the user's does not wait
     assert set(listed) == {"I have a cat called Miso.", "I have a dog called Biscuit."}
     assert listed["I have a dog called Biscuit."].kv == "queued"  # tracked now: its KV follows
     assert shard.read_repair.unsure == set()
@@ -104,4 +106,4 @@ def test_a_lost_delete_is_never_retrieved_and_a_lost_update_serves_the_new_text(
     shard.take_encode_jobs()  # ... the encode driver's poll (every 0.5 s) repairs the user
     assert planned_texts(shard, user) == {"I live in Marseille."}
     assert shard.facts[lyon].text == "I live in Marseille." and shard.get(lyon, user).kv == "encoding"
-    assert shard.stats()["users_resynced_total"] == 2
+    assert (shard.stats()["users_resynced_total"], shard.stats()["users_unsure"]) == (2, 0)
