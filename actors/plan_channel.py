@@ -4,7 +4,7 @@ Planning is on every chat request's path, and a Ray actor call costs a round tri
 Ray's task machinery (bench/shard_hop.py: about 0.9 ms for a call that returns nothing on the
 2-core CPU, 2.9 ms measured as the hop on the H200 host). The shard actor is pinned to its
 replica's node, so the replica can ask it over a Unix socket instead: 0.15 ms round trip on the
-same CPU. This module is that one call, typed (PlanRequest in, memory.planner.ChatPlan out),
+same CPU. This module is that one call, typed (memory.chat_query.ChatQuery in, memory.planner.ChatPlan out),
 and nothing else: every other shard call stays a Ray call (actors.shard_client).
 
 - PlanServer runs in the shard actor's process, on a thread of its own; each request runs
@@ -41,6 +41,7 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
+from memory.chat_query import ChatQuery
 from memory.planner import ChatPlan
 
 logger = logging.getLogger(__name__)
@@ -50,18 +51,6 @@ _POLL_MS = 200  # how often the server thread checks whether it should stop
 
 class PlanChannelTimeout(TimeoutError):
     """The shard did not answer on the plan channel within the client's timeout."""
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """The arguments of memory.shard.MemoryShard.plan_chat."""
-
-    user_id: str
-    messages: list[dict[str, str]]
-    k: int | None
-    mode: str
-    max_prompt_tokens: int | None
-    prefill_top_m: int | None = None
 
 
 _MAX_SOCKET_PATH = 100  # sockaddr_un holds 107 bytes
@@ -105,9 +94,9 @@ def _reply(outcome: tuple[str, Any]) -> bytes:
 
 
 class PlanServer:
-    """Answers PlanRequests with `plan(request)` under `lock`, on its own thread (module docstring)."""
+    """Answers ChatQuery objects with `plan(query)` under `lock`, on its own thread (module docstring)."""
 
-    def __init__(self, plan: Callable[[PlanRequest], ChatPlan], address: str, lock: threading.RLock) -> None:
+    def __init__(self, plan: Callable[[ChatQuery], ChatPlan], address: str, lock: threading.RLock) -> None:
         self.plan = plan
         self.address = address
         self.lock = lock
@@ -202,7 +191,7 @@ class PlanClient:
             if waiting is not None and not waiting.done():  # else: it timed out already
                 waiting.set_result(reply)
 
-    async def plan(self, request: PlanRequest) -> ChatPlan:
+    async def plan(self, request: ChatQuery) -> ChatPlan:
         """The shard's plan; the shard's exception if planning failed; PlanChannelTimeout if no
         answer came within timeout_s."""
         socket = self._connect()

@@ -18,7 +18,8 @@ import inspect
 import threading
 from typing import Any, Callable
 
-from actors.plan_channel import PlanRequest, PlanServer, plan_channel_address
+from actors.plan_channel import PlanServer, plan_channel_address
+from memory.chat_query import ChatQuery
 from memory.planner import ChatPlan
 from memory.settings import MemorySettings
 from memory.shard import MemoryShard
@@ -59,10 +60,8 @@ class ShardActor(MemoryShard):
             super().__init__(*args, **kwargs)
         self.plan_server = PlanServer(self._plan, plan_channel_address(self.arena_path()), self.lock).start()
 
-    def _plan(self, request: PlanRequest) -> ChatPlan:
-        return MemoryShard.plan_chat(
-            self, request.user_id, request.messages, request.k, request.mode, request.max_prompt_tokens, request.prefill_top_m
-        )
+    def _plan(self, query: ChatQuery) -> ChatPlan:
+        return MemoryShard.plan_chat(self, query)  # the lock is the plan server's (PlanServer)
 
 
 # Every public method of MemoryShard, wrapped here rather than written out: a method added to the

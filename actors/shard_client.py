@@ -16,9 +16,11 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Sequence, TypeVar
 
-from actors.plan_channel import PlanChannelTimeout, PlanClient, PlanRequest
-from memory.fact_store import FactEvent, FactRecord, NewFact, Turn
-from memory.planner import ChatPlan, MemoryHit
+from actors.plan_channel import PlanChannelTimeout, PlanClient
+from memory.chat_query import ChatQuery
+from memory.records import FactEvent, FactRecord, NewFact, Turn
+from memory.planner import ChatPlan
+from memory.records import MemoryHit
 from memory.kv_lifecycle import EncodeJob, EncodeOutcome
 
 T = TypeVar("T")
@@ -121,18 +123,15 @@ class ShardClient:
     async def search(self, user_id: str, query: str, k: int) -> list[MemoryHit]:
         return await self._wait(self.actor.search.remote(user_id, query, k))
 
-    async def plan_chat(
-        self, user_id: str, messages: Sequence[dict[str, str]], k: int | None, mode: str, max_prompt_tokens: int | None,
-        prefill_top_m: int | None = None,
-    ) -> ChatPlan:
+    async def plan_chat(self, query: ChatQuery) -> ChatPlan:
+        """The shard's plan for a chat: over the plan channel, or through Ray when it does not answer."""
         if self.plan_channel is not None:
-            request = PlanRequest(user_id, list(messages), k, mode, max_prompt_tokens, prefill_top_m)
             try:
-                return await self.plan_channel.plan(request)
+                return await self.plan_channel.plan(query)
             except PlanChannelTimeout as exc:
                 self.plans_over_ray += 1
                 logger.warning("%s; asking through Ray", exc)
-        return await self._wait(self.actor.plan_chat.remote(user_id, list(messages), k, mode, max_prompt_tokens, prefill_top_m))
+        return await self._wait(self.actor.plan_chat.remote(query))
 
     # ---------------------------------------------------------------- encoding (memory.shard.EncodeQueue)
     async def take_encode_jobs(self, max_jobs: int | None = None) -> list[EncodeJob]:

@@ -18,16 +18,15 @@ import os
 import shutil
 from pathlib import Path
 
+from serve_app.settings import DEFAULT_MODEL_DIRNAME, model_cache_dir
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
+SMOLLM2_DIRNAME = DEFAULT_MODEL_DIRNAME
 
 
 def default_cache_dir() -> Path:
-    """Model cache folder: $KVMEM_MODEL_CACHE, else ~/.cache/kvmem/models."""
-    env = os.environ.get("KVMEM_MODEL_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvmem" / "models"
+    """Model cache folder: where the service looks for its default model (serve_app.settings)."""
+    return model_cache_dir()
 
 
 def smollm2_path(cache_dir: Path | None = None) -> Path:

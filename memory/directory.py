@@ -8,11 +8,37 @@ about a second instead of blocking the ingress's event loop.
 
 from __future__ import annotations
 
+import functools
 import json
+from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from memory.redis_keys import RedisKeys, stable_shard
+
+T = TypeVar("T")
+
+
+class StoreUnavailable(ConnectionError):
+    """Redis did not answer in time or refused the call: the caller answers 503, not 500."""
+
+
+def redis_unavailable(what: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
+    """Decorates an async method: a Redis error becomes StoreUnavailable naming `what`, so the
+    ingress handles an outage without importing redis-py."""
+
+    def wrap(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+        @functools.wraps(method)
+        async def called(*args: Any, **kwargs: Any) -> T:
+            try:
+                return await method(*args, **kwargs)
+            except RedisError as exc:
+                raise StoreUnavailable(f"{what} (Redis) unavailable: {exc}") from exc
+
+        return called
+
+    return wrap
 
 _MAX_CACHED = 200_000  # entries per map; cleared whole when full (a re-read is one Redis call)
 
@@ -32,6 +58,7 @@ class UserDirectory:
     def cached_shard(self, user_id: str) -> int | None:
         return self._shards.get(user_id)
 
+    @redis_unavailable("memory store")
     async def shard_of(self, user_id: str, num_shards: int) -> int:
         """The user's shard: read back once assigned, else assigned now by a stable hash."""
         cached = self._shards.get(user_id)
@@ -48,6 +75,7 @@ class UserDirectory:
         self._remember(self._shards, user_id, shard)
         return shard
 
+    @redis_unavailable("memory store")
     async def owner_of_fact(self, fact_id: str) -> str | None:
         cached = self._owners.get(fact_id)
         if cached is not None:
@@ -63,6 +91,7 @@ class UserDirectory:
         """After the user's memory was erased (its placement is gone from Redis too)."""
         self._shards.pop(user_id, None)
 
+    @redis_unavailable("memory store")
     async def ping(self) -> None:
         await self.r.ping()
 

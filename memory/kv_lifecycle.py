@@ -31,7 +31,7 @@ import numpy as np
 
 from kvarena.arena import WRITING, ArenaError, ArenaFull, EntryRef, FactArena
 from kvarena.params import EntryPlacement, KVMemoryParams
-from memory.fact_store import FactRecord, Turn
+from memory.records import FactRecord, Turn
 from memory.prompting import PromptLayout
 
 logger = logging.getLogger(__name__)

@@ -11,19 +11,14 @@ prefix cache computes it once); mode "none" is the plain conversation. No Ray, n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
+from memory.chat_query import ChatQuery, MemoryMode
 from memory.composition import StoredSegment, compose, scope_cache_salt
+from memory.fact_selection import Selection
 from memory.kv_lifecycle import FactKVLifecycle
 from memory.prompting import PromptLayout
-
-
-@dataclass
-class MemoryHit:
-    fact_id: str
-    text: str
-    score: float
-    source_id: str | None = None
+from memory.records import MemoryHit
 
 
 @dataclass
@@ -31,7 +26,7 @@ class ChatPlan:
     """A memory-conditioned prompt: token ids, and what to hand the engine for KV injection."""
 
     prompt_token_ids: list[int]
-    mode: str  # "kv" | "prompt" | "full" | "none"
+    mode: MemoryMode
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
     facts: list[MemoryHit] = field(default_factory=list)
@@ -40,45 +35,30 @@ class ChatPlan:
     timings: dict[str, float] = field(default_factory=dict)  # ms per planning stage (shard_embed, ...)
 
 
-def fit_to_context(hits: list[MemoryHit], kv: FactKVLifecycle, room: int) -> list[MemoryHit]:
-    """The most relevant hits whose tokens fit in `room` tokens (hits are most relevant first)."""
-    kept: list[MemoryHit] = []
-    for hit in hits:
-        room -= len(kv.facts[hit.fact_id].segment_ids)
-        if room < 0:
-            break
-        kept.append(hit)
-    return kept
-
-
 def plan_chat(
     *,
     layout: PromptLayout,
     kv: FactKVLifecycle,
-    hits: list[MemoryHit],
-    messages: Sequence[dict[str, str]],
-    mode: str,
+    query: ChatQuery,
+    selection: Selection,
     salt_namespace: str,
-    max_prompt_tokens: int | None = None,
-    prefill_top_m: int = 0,
-    suffix_ids: list[int] | None = None,
+    default_prefill_top_m: int = 0,
 ) -> ChatPlan:
-    """The plan for `messages` conditioned on `hits` (most relevant first; mode full: every fact,
+    """The plan for `query` conditioned on the facts memory.fact_selection chose for it (most
+    relevant first, already fitted to the query's max_prompt_tokens; mode full: every fact,
     oldest first); see the module docstring.
 
-    max_prompt_tokens: the least relevant facts are left out until the prompt fits (the caller
-    rejects a conversation that does not fit even without memory). salt_namespace names the
-    user whose requests alone may share the prompt's cached blocks (every mode is salted).
-    prefill_top_m (mode kv): the m most relevant facts are prefilled as text after the injected
-    ones even when their KV is live, so they attend to every other fact (the cross-fact repair:
-    injected facts were each encoded without the others).
-    suffix_ids: layout.suffix_ids(messages), when the caller has it already.
+    salt_namespace names the user whose requests alone may share the prompt's cached blocks
+    (every mode is salted). prefill_top_m (mode kv; the query's, else `default_prefill_top_m`):
+    the m most relevant facts are prefilled as text after the injected ones even when their KV is
+    live, so they attend to every other fact (the cross-fact repair: injected facts were each
+    encoded without the others).
     """
+    mode, messages, hits = query.mode, query.messages, selection.hits
+    prefill_top_m = default_prefill_top_m if query.prefill_top_m is None else query.prefill_top_m
     if mode == "none":
         return ChatPlan(prompt_token_ids=layout.plain_prompt_ids(messages), mode=mode, cache_salt=scope_cache_salt(salt_namespace))
-    suffix = layout.suffix_ids(messages) if suffix_ids is None else suffix_ids
-    if max_prompt_tokens is not None:
-        hits = fit_to_context(hits, kv, max_prompt_tokens - len(layout.prefix_ids) - len(suffix))
+    suffix = layout.suffix_ids(messages) if selection.suffix_ids is None else selection.suffix_ids
     # least relevant first, most relevant next to the query; mode full: as given (oldest first, so
     # the facts that fit are the oldest and a new fact only extends the cached prefix)
     ordered = list(hits) if mode == "full" else list(reversed(hits))

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from memory.fact_store import Turn
+from memory.records import Turn
 
 MEMORY_MARKER = "\u2063KVMEM_MEMORY\u2063"
 

@@ -16,20 +16,36 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Mapping, Protocol
 
-if TYPE_CHECKING:
-    from memory.shard import MemoryShard
+import numpy as np
+
+from memory.fact_store import FactStore
+from memory.kv_lifecycle import FactKV
+from memory.records import FactRecord
 
 logger = logging.getLogger(__name__)
 
 RETRY_S = 5.0  # the poll's pause after a resync failed (Redis away): the shard's other calls go on
 
 
+class RepairedShard(Protocol):
+    """What read repair needs of a shard (memory.shard.MemoryShard is one): its records' store,
+    the facts it tracks, and its two ways of changing them."""
+
+    shard_id: int
+    store: FactStore
+    facts: Mapping[str, FactKV]
+
+    def track_version(self, record: FactRecord, vector: np.ndarray) -> None: ...
+
+    def forget(self, fact_id: str) -> None: ...
+
+
 class ReadRepair:
     """The unsure users of one shard and their repair (module docstring)."""
 
-    def __init__(self, shard: "MemoryShard") -> None:
+    def __init__(self, shard: RepairedShard) -> None:
         self.shard = shard
         self.unsure: set[str] = set()
         self.resynced = 0  # users resynced since the shard started

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, Field
 
 from memory.prompting import DEFAULT_INSTRUCTION
@@ -46,7 +48,7 @@ class MemorySettings(BaseModel):
     reconcile: bool = Field(
         True,
         description="On an add from messages (infer), reconcile each extracted fact with the user's closest facts: the "
-        "served model decides ADD, UPDATE, DELETE or NONE (serve_app.reconciliation); a request's `reconcile` overrides it.",
+        "served model decides ADD, UPDATE, DELETE or NONE (serve_app.replica.reconciliation); a request's `reconcile` overrides it.",
     )
     reconcile_top_k: int = Field(
         1,
@@ -118,3 +120,7 @@ class MemorySettings(BaseModel):
         "answering; the facts are stored and acknowledged either way, and their KV follows in the background "
         "(prefilled as text until then).",
     )
+
+    def arena_path(self, namespace: str, shard_id: int) -> Path:
+        """Where shard `shard_id` of `namespace` keeps its arena (its engine opens it there)."""
+        return Path(self.arena_dir) / f"kvmem-{namespace}-shard{shard_id}"

@@ -31,7 +31,6 @@ import logging
 import os
 import shutil
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -39,18 +38,21 @@ from pydantic import Field
 
 from kvarena.arena import ArenaError, FactArena, arena_geometry_for
 from memory.composition import scope_cache_salt
+from memory.chat_query import ChatQuery
 from memory.embedder import Embedder
-from memory.fact_store import FactEvent, FactRecord, FactStore, NewFact, Turn
+from memory.fact_selection import FactSelector
+from memory.fact_store import FactStore
+from memory.records import FactEvent, FactRecord, MemoryHit, NewFact, Turn
 from memory.index import build_index
 from memory.kv_lifecycle import PREFIX_KEY, EncodeJob, EncodeOutcome, FactKV, FactKVLifecycle
-from memory.planner import ChatPlan, MemoryHit, plan_chat
+from memory.planner import ChatPlan, plan_chat
 from memory.prompting import PromptLayout
 from memory.read_repair import ReadRepair
 from memory.settings import MemorySettings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MemoryShard", "StoredFact", "ChatPlan", "MemoryHit", "EncodeJob", "PREFIX_KEY"]
+__all__ = ["MemoryShard", "StoredFact", "ChatPlan", "ChatQuery", "MemoryHit", "EncodeJob", "PREFIX_KEY"]
 
 
 class StoredFact(FactRecord):
@@ -82,7 +84,7 @@ class MemoryShard:
         self.store = FactStore.from_url(redis_url, settings.redis_prefix)
         # the arena first: a restarting replica may open it (engine start) while the rest loads
         geometry = arena_geometry_for(model_dir, kv_dtype, **settings.arena.model_dump(exclude={"device_pages"}))
-        self._arena_path = arena_path_of(settings, namespace, shard_id)
+        self._arena_path = settings.arena_path(namespace, shard_id)
         try:
             self.arena = FactArena.create(self._arena_path, geometry, exist_ok=True)
         except ArenaError:  # left by a run with other settings: its KV is derived, start afresh
@@ -111,6 +113,9 @@ class MemoryShard:
             salt_of=lambda user_id: scope_cache_salt(f"{settings.redis_prefix}:{user_id}"),
         )
         self.facts: dict[str, FactKV] = self.kv.facts  # fact id -> its KV state (the same dict)
+        self.selector = FactSelector(
+            index=self.index, embedder=self.embedder, facts=self.facts, layout=self.layout, default_top_k=settings.top_k
+        )
         self.read_repair = ReadRepair(self)  # users whose last write's Redis call failed (module docstring)
         self._rebuild()
 
@@ -148,12 +153,8 @@ class MemoryShard:
         """The user's facts closest to this one (memory.encode_neighbours), least similar first."""
         n = self.settings.encode_neighbours
         _, vector = self.store.get_with_embedding(fact_id, state.user_id)  # the stored embedding, not a new one
-        (hits,) = self.index.search(state.user_id, vector, n + 1)
-        neighbours = [
-            (hit.fact_id, other.text)
-            for hit in hits
-            if hit.fact_id != fact_id and (other := self.facts.get(hit.fact_id)) is not None and other.user_id == state.user_id
-        ][:n]
+        hits = self.selector.top_k(state.user_id, vector, n + 1)
+        neighbours = [(hit.fact_id, hit.text) for hit in hits if hit.fact_id != fact_id][:n]
         return neighbours[::-1]  # the closest right before the fact
 
     # ================================================================== identity
@@ -260,67 +261,23 @@ class MemoryShard:
         if k <= 0:
             return []
         self.read_repair.repair(user_id)
-        return self._hits(user_id, self.embedder.embed_query(query), k)
+        return self.selector.search(user_id, query, k)
 
-    def _hits(self, user_id: str, vector: np.ndarray, k: int) -> list[MemoryHit]:
-        (hits,) = self.index.search(user_id, vector, k)
-        out = []
-        for hit in hits:
-            state = self.facts.get(hit.fact_id)
-            if state is None or state.user_id != user_id:  # never another user's fact
-                continue
-            out.append(MemoryHit(hit.fact_id, state.text, float(hit.score), state.source_id))
-        return out
-
-    def plan_chat(
-        self,
-        user_id: str,
-        messages: Sequence[dict[str, str]],
-        k: int | None = None,
-        mode: str = "kv",
-        max_prompt_tokens: int | None = None,
-        prefill_top_m: int | None = None,
-    ) -> ChatPlan:
-        """The prompt for a chat request with the user's top-k facts (memory.planner.plan_chat);
-        the plan's `timings` say where the shard's time went (ms: embed, search, compose).
-
-        On a GPU the query's embedding runs while the conversation is tokenized (the chat
-        template: composition's fixed cost), so `shard_embed` is only the part not hidden."""
-        timings: dict[str, float] = {}
-        hits: list[MemoryHit] = []
-        suffix: list[int] | None = None
-        tokenizing = 0.0
-        if mode == "full":  # every fact of the user, oldest first (self.facts keeps the order they were tracked in)
-            hits = [MemoryHit(key, state.text, 0.0, state.source_id) for key, state in self.facts.items() if state.user_id == user_id]
-        elif mode != "none":
-            k = self.settings.top_k if k is None else k
-            query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-            if query and k > 0:
-                started = time.perf_counter()
-                embedding = self.embedder.start_query(query)
-                launched = time.perf_counter()
-                suffix = self.layout.suffix_ids(messages)
-                tokenized = time.perf_counter()
-                vector = embedding()
-                embedded = time.perf_counter()
-                hits = self._hits(user_id, vector, k)
-                tokenizing = tokenized - launched
-                timings["shard_embed"] = (launched - started + embedded - tokenized) * 1e3
-                timings["shard_search"] = (time.perf_counter() - embedded) * 1e3
+    def plan_chat(self, query: ChatQuery) -> ChatPlan:
+        """The prompt for a chat: facts chosen by memory.fact_selection, laid out by
+        memory.planner; the plan's `timings` say where the shard's time went (ms: shard_embed,
+        shard_search, shard_compose)."""
+        selection = self.selector.select(query)
         started = time.perf_counter()
         plan = plan_chat(
             layout=self.layout,
             kv=self.kv,
-            hits=hits,
-            messages=messages,
-            mode=mode,
-            salt_namespace=f"{self.settings.redis_prefix}:{user_id}",
-            max_prompt_tokens=max_prompt_tokens,
-            prefill_top_m=self.settings.prefill_top_m if prefill_top_m is None else prefill_top_m,
-            suffix_ids=suffix,
+            query=query,
+            selection=selection,
+            salt_namespace=f"{self.settings.redis_prefix}:{query.user_id}",
+            default_prefill_top_m=self.settings.prefill_top_m,
         )
-        timings["shard_compose"] = (time.perf_counter() - started + tokenizing) * 1e3
-        plan.timings = timings
+        plan.timings = {**selection.timings, "shard_compose": (time.perf_counter() - started) * 1e3 + selection.tokenizing_ms}
         return plan
 
     # ================================================================== encoding
@@ -365,7 +322,3 @@ class MemoryShard:
             **usage,
         }
 
-
-def arena_path_of(settings: MemorySettings, namespace: str, shard_id: int) -> Path:
-    """Where shard `shard_id` of `namespace` keeps its arena (its engine opens it there)."""
-    return Path(settings.arena_dir) / f"kvmem-{namespace}-shard{shard_id}"

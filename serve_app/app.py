@@ -2,7 +2,7 @@
 
 Thin and keyword-only, like Ray Serve LLM's builders: settings in, a bound application out:
 with `routing: router` one ChatAPI ingress in front of one LLMReplica deployment per shard; with
-`routing: direct` one deployment of LLM replicas that are their own ingress (serve_app.replica_ingress).
+`routing: direct` one deployment of LLM replicas that are their own ingress (serve_app.replica.direct_ingress).
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from typing import Any
 
 from ray import serve
 
-from serve_app.ingress import ChatAPI
+from serve_app.ingress.routes import ChatAPI
+from serve_app.replica.direct_ingress import direct_deployment
+from serve_app.replica.server import LLMReplica
 from serve_app.settings import ServiceSettings
 
 
@@ -21,16 +23,12 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     if not settings.redis_url:
         raise ValueError("redis_url (or REDIS_URL) is required: Redis holds the memory records and the user -> shard map")
     if settings.routing == "direct":
-        from serve_app.replica_ingress import direct_deployment
-
         return direct_deployment(settings=settings)
     return ChatAPI.options(num_replicas=settings.ingress_replicas).bind(llm_deployments(settings=settings), settings)
 
 
 def llm_deployments(*, settings: ServiceSettings) -> list[serve.Application]:
     """One single-replica deployment per shard: the router needs to address each one."""
-    from serve_app.replica import LLMReplica
-
     return [
         LLMReplica.options(
             name=f"LLMReplica_{shard}",

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from memory.chat_query import ChatQuery, MemoryMode
 from memory.prompting import MEMORY_MARKER
 
 # Bounds on what a client sends (characters and counts; the replica bounds tokens).
@@ -102,7 +103,7 @@ class MemoryOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    mode: Literal["kv", "prompt", "none", "full"] = Field(
+    mode: MemoryMode = Field(
         "kv",
         description="kv: inject the facts' stored KV; prompt: prefill the same facts as text; none: no memory; full: "
         "every fact of the user as text, oldest first, no retrieval (a fixed prefix that vLLM's prefix cache reuses "
@@ -186,6 +187,21 @@ class ChatCompletionRequest(BaseModel):
 
     def prompt_messages(self) -> list[dict[str, str]]:
         return [m.as_prompt_dict() for m in self.messages]
+
+    def memory_query(self, messages: list[dict[str, str]], max_prompt_tokens: int) -> ChatQuery | None:
+        """What this chat asks of its user's memory (`messages`: prompt_messages()), or None when
+        it names no user or asks for no memory."""
+        if not self.user or self.memory.mode == "none":
+            return None
+        options = self.memory
+        return ChatQuery(
+            user_id=self.user,
+            messages=messages,
+            mode=options.mode,
+            top_k=options.top_k,
+            max_prompt_tokens=max_prompt_tokens,
+            prefill_top_m=options.prefill_top_m,
+        )
 
 
 class ResponseMessage(BaseModel):

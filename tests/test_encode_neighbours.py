@@ -13,9 +13,10 @@ import asyncio
 
 import pytest
 
-from memory.fact_store import NewFact
+from memory.records import NewFact
 from memory.shard import MemoryShard
 from tests.test_memory_shard import Memory, run_plan
+from memory.chat_query import ChatQuery
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +45,8 @@ def first_logprob_gap(a, b) -> float:
 
 def assert_kv_is_prompt_injection(memory: Memory, served: list[str]) -> None:
     shard, layout = memory.shard, memory.shard.layout
-    kv_plan = shard.plan_chat("alice", QUESTION, k=len(served), mode="kv")
-    prompt_plan = shard.plan_chat("alice", QUESTION, k=len(served), mode="prompt")
+    kv_plan = shard.plan_chat(ChatQuery(user_id="alice", messages=QUESTION, top_k=len(served), mode="kv"))
+    prompt_plan = shard.plan_chat(ChatQuery(user_id="alice", messages=QUESTION, top_k=len(served), mode="prompt"))
     memory_ids = [token for text in served for token in layout.fact_ids(text)]
     assert kv_plan.prompt_token_ids[: len(layout.prefix_ids) + len(memory_ids)] == layout.prefix_ids + memory_ids
     assert kv_plan.prompt_token_ids == prompt_plan.prompt_token_ids and kv_plan.prefilled_fact_ids == []
@@ -89,7 +90,7 @@ def test_updating_or_deleting_a_neighbour_re_encodes_the_facts_behind_it(memory:
     assert "Braga" in prompts[walks] and "Braga" in prompts[beagle]
     asyncio.run(memory.driver.drain())
     assert {shard.get(f, "alice").kv for f in (nurse, walks, beagle)} == {"live"}
-    plan = shard.plan_chat("alice", QUESTION, k=3, mode="kv")
+    plan = shard.plan_chat(ChatQuery(user_id="alice", messages=QUESTION, top_k=3, mode="kv"))
     assert plan.prefilled_fact_ids == [] and run_plan(memory.llm, plan).num_cached_tokens == plan.injected_tokens
 
     shard.delete(walks, "alice")
@@ -118,7 +119,7 @@ def test_a_capture_in_flight_behind_a_neighbour_that_changes_never_goes_live(mem
     assert "every morning" not in prompts[beagle] and "at noon" in prompts[beagle]
     asyncio.run(memory.driver.drain())
     assert {shard.get(f, "alice").kv for f in (nurse, walks, beagle)} == {"live"}
-    plan = shard.plan_chat("alice", QUESTION, k=3, mode="kv")
+    plan = shard.plan_chat(ChatQuery(user_id="alice", messages=QUESTION, top_k=3, mode="kv"))
     assert plan.prefilled_fact_ids == [] and run_plan(memory.llm, plan).num_cached_tokens == plan.injected_tokens
 
 

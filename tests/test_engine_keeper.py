@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from serve_app.replica_lifecycle import EngineKeeper
+from serve_app.replica.lifecycle import EngineKeeper
 
 
 class _Engine:

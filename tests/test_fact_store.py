@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memory.fact_store import FactStore, NewFact, Turn, UnknownFact
+from memory.fact_store import FactStore
+from memory.records import NewFact, Turn, UnknownFact
 
 
 @pytest.fixture()

@@ -25,9 +25,11 @@ import requests
 
 from devtools.local_redis import LocalRedis
 from kvarena.arena import LIVE, FactArena
-from memory.fact_store import FactStore, NewFact, Turn
+from memory.fact_store import FactStore
+from memory.records import NewFact, Turn
 from memory.kv_lifecycle import entry_tag
 from tests.fault_load import Load, ask, post_json
+from memory.chat_query import ChatQuery
 
 pytestmark = pytest.mark.slow
 
@@ -227,7 +229,7 @@ def test_an_encode_that_keeps_failing_is_retried_a_bounded_number_of_times(engin
     from actors.shard_client import ShardClient
     from connector.engine_config import kv_transfer_config
     from memory.shard import MemoryShard
-    from serve_app.encode_driver import EncodeDriver
+    from serve_app.replica.encode_driver import EncodeDriver
     from tests.test_memory_shard import shard_settings
 
     settings = shard_settings(window_turns=3).model_copy(update={"encode_context_tokens": 4096})
@@ -245,7 +247,7 @@ def test_an_encode_that_keeps_failing_is_retried_a_bounded_number_of_times(engin
         assert "256" in record.kv_error, record.kv_error  # the engine's own refusal: its context length
         stats = shard.stats()
         assert stats["encode_failed"] == 1 and stats["encode_failures"][0]["reason"] == record.kv_error
-        plan = shard.plan_chat("ugo", [{"role": "user", "content": "What do I grow?"}], k=1)
+        plan = shard.plan_chat(ChatQuery(user_id="ugo", messages=[{"role": "user", "content": "What do I grow?"}], top_k=1))
         assert plan.prefilled_fact_ids == [doomed] and shard.pending_encodes() == 0  # text, and no new attempt
         assert shard.kv.prefix.ref is not None  # the prefix fits: only the fact failed
     finally:

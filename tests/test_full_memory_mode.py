@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_memory_shard import Memory, memory, run_plan  # noqa: F401 - memory: the shard + engine fixture
+from memory.chat_query import ChatQuery
 
 pytestmark = pytest.mark.slow
 
@@ -22,19 +23,19 @@ def test_full_mode_prefills_every_fact_oldest_first_and_reuses_the_cached_prefix
     memory.add("alice", *FACTS)
     memory.add("bob", "Bob plays chess.")
     question = [{"role": "user", "content": "What breed is my dog?"}]
-    plan = shard.plan_chat("alice", question, mode="full")
+    plan = shard.plan_chat(ChatQuery(user_id="alice", messages=question, mode="full"))
     memory_ids = [token for text in FACTS for token in layout.fact_ids(text)]
     assert plan.mode == "full" and plan.kv_transfer_params is None and plan.facts == []
     assert plan.prompt_token_ids == layout.prefix_ids + memory_ids + layout.suffix_ids(question)  # Bob's fact is not there
     first = run_plan(memory.llm, plan)
-    other = shard.plan_chat("alice", [{"role": "user", "content": "Where do I work?"}], mode="full")
+    other = shard.plan_chat(ChatQuery(user_id="alice", messages=[{"role": "user", "content": "Where do I work?"}], mode="full"))
     again = run_plan(memory.llm, other)
     block = memory.llm.llm_engine.vllm_config.cache_config.block_size
     shared = len(layout.prefix_ids) + len(memory_ids)
     assert again.num_cached_tokens == shared // block * block > 0  # the memory's whole blocks come from the cache
     assert first.num_cached_tokens < again.num_cached_tokens
     # another user's request with the same tokens never hits Alice's cached blocks (salted per user)
-    assert shard.plan_chat("bob", question, mode="full").cache_salt != plan.cache_salt
+    assert shard.plan_chat(ChatQuery(user_id="bob", messages=question, mode="full")).cache_salt != plan.cache_salt
 
 
 def test_full_mode_keeps_the_oldest_facts_that_fit(memory: Memory) -> None:
@@ -42,6 +43,6 @@ def test_full_mode_keeps_the_oldest_facts_that_fit(memory: Memory) -> None:
     memory.add("alice", *FACTS)
     question = [{"role": "user", "content": "What breed is my dog?"}]
     room = len(layout.prefix_ids) + len(layout.fact_ids(FACTS[0])) + len(layout.fact_ids(FACTS[1])) + len(layout.suffix_ids(question))
-    plan = shard.plan_chat("alice", question, mode="full", max_prompt_tokens=room)
+    plan = shard.plan_chat(ChatQuery(user_id="alice", messages=question, mode="full", max_prompt_tokens=room))
     expected = layout.prefix_ids + layout.fact_ids(FACTS[0]) + layout.fact_ids(FACTS[1]) + layout.suffix_ids(question)
     assert plan.prompt_token_ids == expected

@@ -1,56 +1,114 @@
 """The code layout's promises (docs/architecture.md), checked on the source itself.
 
-- the HTTP ingress imports neither torch nor vLLM (it starts fast and stays small);
-- the memory domain imports neither vLLM nor Ray (it runs and tests without either);
-- kvarena, the contract between memory and engine, imports no vLLM;
-- no module over 400 lines; no test or benchmark imports another module's private name;
-- no call into another process is named by a string (getattr on a handle, `op: str` dispatch).
+By AST over every production module, imports inside functions and under TYPE_CHECKING included:
+- only connector/ and the replica package (serve_app/replica/) import vLLM;
+- the ingress package (serve_app/ingress/) imports neither torch, vLLM nor redis-py (Redis is
+  reached through memory.directory and memory.key_store);
+- the memory domain (memory/) imports neither Ray nor vLLM; kvarena/ imports neither;
+- no import circles between the project's modules;
+- no module over 400 lines; every module says its role;
+- docs/architecture.md names every production module by its path, and every path it names exists.
+bench/ and tests/ are instruments, not the product: they may import anything, but no private
+name of another module. No call into another process is named by a string.
+A runtime probe also checks that importing the ingress loads no torch or vLLM transitively.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ["serve_app", "actors", "memory", "kvarena", "connector", "devtools", "loadtest", "bench"]
-
-
-def modules_loaded_after(code: str) -> set[str]:
-    """Top-level module names in sys.modules after running `code` in a fresh interpreter."""
-    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
-    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return set(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
-def test_ingress_imports_neither_torch_nor_vllm() -> None:
-    loaded = modules_loaded_after("import serve_app.app, serve_app.ingress, serve_app.settings, serve_app.protocol")
-    assert "fastapi" in loaded and "ray" in loaded  # the probe did import the ingress
-    assert not loaded & {"torch", "vllm", "transformers", "sentence_transformers"}
-
-
-def test_memory_domain_imports_neither_vllm_nor_ray() -> None:
-    loaded = modules_loaded_after(
-        "import memory.shard, memory.planner, memory.kv_lifecycle, memory.fact_store, memory.index, "
-        "memory.embedder, memory.prompting, memory.composition, memory.settings, kvarena.arena, kvarena.params"
-    )
-    assert "memory" in loaded and "torch" in loaded
-    assert not loaded & {"vllm", "ray"}
-
-
-def test_kvarena_contract_imports_no_vllm() -> None:
-    loaded = modules_loaded_after("import kvarena.params, kvarena.arena")
-    assert "vllm" not in loaded and "ray" not in loaded
+PRODUCT = ["serve_app", "actors", "memory", "kvarena", "connector", "devtools", "loadtest"]
+PACKAGES = [*PRODUCT, "bench"]
 
 
 def python_files(*roots: str) -> list[Path]:
     return sorted(p for root in roots for p in (REPO / root).rglob("*.py") if ".venv" not in p.parts)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@lru_cache(maxsize=None)
+def imported_names(path: Path) -> tuple[str, ...]:
+    """Every module name an `import` or `from ... import` in the file names, anywhere in it
+    (functions and TYPE_CHECKING blocks included); `from a import b` gives `a` and `a.b`."""
+    names: list[str] = []
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against the file's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names.append(base)
+            names += [f"{base}.{alias.name}" for alias in node.names]
+    return tuple(names)
+
+
+def importers_of(top: str, roots: list[str]) -> set[str]:
+    return {str(p.relative_to(REPO)) for p in python_files(*roots) if any(n.split(".")[0] == top for n in imported_names(p))}
+
+
+def test_only_the_connector_and_the_replica_import_vllm() -> None:
+    allowed = ("connector/", "serve_app/replica/")
+    assert sorted(f for f in importers_of("vllm", PRODUCT) if not f.startswith(allowed)) == []
+    assert importers_of("vllm", ["serve_app/replica"]) and importers_of("vllm", ["connector"])  # the rule bites
+
+
+@pytest.mark.parametrize("top", ["torch", "vllm", "redis"])
+def test_the_ingress_package_imports_neither_torch_vllm_nor_redis(top: str) -> None:
+    assert sorted(importers_of(top, ["serve_app/ingress"])) == []
+
+
+@pytest.mark.parametrize("top", ["ray", "vllm"])
+def test_memory_and_kvarena_import_neither_ray_nor_vllm(top: str) -> None:
+    assert sorted(importers_of(top, ["memory", "kvarena"])) == []
+
+
+def project_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in python_files(*PACKAGES)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = {n for n in imported_names(path) if n in modules and n != name}
+        graph[name] = targets
+    return graph
+
+
+def test_no_import_circles() -> None:
+    graph = project_graph()
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                circles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    # a package's __init__ re-exporting its own modules is no circle when those modules do not import it back
+    assert circles == []
 
 
 def test_no_module_over_400_lines() -> None:
@@ -62,9 +120,37 @@ def test_every_module_says_its_role() -> None:
     silent = [
         str(p.relative_to(REPO))
         for p in python_files(*PACKAGES)
-        if p.name != "__init__.py" and p.read_text().strip() and ast.get_docstring(ast.parse(p.read_text())) is None
+        if p.read_text().strip() and ast.get_docstring(ast.parse(p.read_text())) is None
     ]
     assert silent == []
+
+
+def test_the_architecture_document_names_every_module_and_only_real_ones() -> None:
+    text = (REPO / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:[\w-]+/)+[\w-]+\.py)`", text))
+    production = {str(p.relative_to(REPO)) for p in python_files(*PRODUCT) if p.name != "__init__.py" or p.read_text().strip()}
+    assert sorted(production - named) == [], "production modules docs/architecture.md does not name"
+    assert sorted(n for n in named if not (REPO / n).exists()) == [], "docs/architecture.md names modules that do not exist"
+
+
+def modules_loaded_after(code: str) -> set[str]:
+    """Top-level module names in sys.modules after running `code` in a fresh interpreter."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_importing_the_ingress_loads_neither_torch_nor_vllm() -> None:
+    loaded = modules_loaded_after("import serve_app.ingress.routes, serve_app.ingress.auth, serve_app.settings, serve_app.protocol")
+    assert "fastapi" in loaded and "ray" in loaded  # the probe did import the ingress
+    assert not loaded & {"torch", "vllm", "transformers", "sentence_transformers"}
+
+
+def test_building_the_application_loads_no_vllm() -> None:
+    """`serve run`'s driver imports the builder and the deployment classes, not the engine."""
+    loaded = modules_loaded_after("import serve_app.app")
+    assert "vllm" not in loaded and "torch" not in loaded
 
 
 def project_module(name: str | None) -> bool:

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from actors.shard_client import ShardClient
-from serve_app.encode_driver import EncodeDriver
-from memory.fact_store import NewFact
+from serve_app.replica.encode_driver import EncodeDriver
+from memory.records import NewFact
 from memory.shard import PREFIX_KEY, MemoryShard
 from memory.settings import ArenaCapacity, MemorySettings
 from memory.index import IndexSettings
@@ -26,6 +26,7 @@ from connector.engine_config import kv_transfer_config
 from kvarena.arena import EntryRef
 from kvarena.params import KVMemoryParams
 from tests.connector_harness import sampling, tokens_prompt
+from memory.chat_query import ChatQuery
 
 pytestmark = pytest.mark.slow
 
@@ -86,8 +87,8 @@ def test_one_fact_kv_injection_equals_prompt_injection(memory: Memory) -> None:
     """w = 0, k = 1: the fact was encoded right after the prefix, where it is served, so
     injecting its KV is exact: same logits, same greedy continuation as prefilling it."""
     (fact_id,) = memory.add("alice", "Alice adopted a beagle named Rex in May 2023.")
-    kv_plan = memory.shard.plan_chat("alice", QUESTION, k=1, mode="kv")
-    prompt_plan = memory.shard.plan_chat("alice", QUESTION, k=1, mode="prompt")
+    kv_plan = memory.shard.plan_chat(ChatQuery(user_id="alice", messages=QUESTION, top_k=1, mode="kv"))
+    prompt_plan = memory.shard.plan_chat(ChatQuery(user_id="alice", messages=QUESTION, top_k=1, mode="prompt"))
     assert [f.fact_id for f in kv_plan.facts] == [fact_id]
     assert kv_plan.prompt_token_ids == prompt_plan.prompt_token_ids
     assert kv_plan.prefilled_fact_ids == []
@@ -110,12 +111,12 @@ def test_the_cross_fact_repair_prefills_the_most_relevant_facts_and_at_m_equal_k
     texts = ("Alice adopted a beagle named Rex in May 2023.", "Alice lives in Lisbon.", "Alice is allergic to peanuts.")
     memory.add("alice", *texts)
     layout = memory.shard.layout
-    prompt_plan = memory.shard.plan_chat("alice", QUESTION, k=3, mode="prompt")
-    repaired = memory.shard.plan_chat("alice", QUESTION, k=3, mode="kv", prefill_top_m=1)
+    prompt_plan = memory.shard.plan_chat(ChatQuery(user_id="alice", messages=QUESTION, top_k=3, mode="prompt"))
+    repaired = memory.shard.plan_chat(ChatQuery(user_id="alice", messages=QUESTION, top_k=3, mode="kv", prefill_top_m=1))
     assert repaired.prompt_token_ids == prompt_plan.prompt_token_ids and repaired.prefilled_fact_ids == []
     top = memory.shard.facts[repaired.facts[0].fact_id].text
     assert repaired.injected_tokens == len(layout.prefix_ids) + sum(len(layout.fact_ids(t)) for t in texts) - len(layout.fact_ids(top))
-    whole = memory.shard.plan_chat("alice", QUESTION, k=3, mode="kv", prefill_top_m=3)
+    whole = memory.shard.plan_chat(ChatQuery(user_id="alice", messages=QUESTION, top_k=3, mode="kv", prefill_top_m=3))
     assert whole.injected_tokens == len(layout.prefix_ids)
     injected, plain = memory.run(whole, logprobs=20), memory.run(prompt_plan, logprobs=20)
     assert injected.num_cached_tokens == len(layout.prefix_ids)
@@ -129,7 +130,7 @@ def test_deleted_and_updated_facts_are_never_retrieved_or_injected(memory: Memor
     violin, lisbon, peanuts = memory.add("alice", "Alice plays the violin.", "Alice lives in Lisbon.", "Alice is allergic to peanuts.")
     bob = memory.add("bob", "Alice plays the violin.", "Alice lives in Lisbon.", "Bob likes chess.")
     assert set(bob).isdisjoint({violin, lisbon, peanuts})  # same text, other user: other facts
-    stale_plan = shard.plan_chat("alice", [{"role": "user", "content": "Which instrument do I play?"}], k=3)
+    stale_plan = shard.plan_chat(ChatQuery(user_id="alice", messages=[{"role": "user", "content": "Which instrument do I play?"}], top_k=3))
     assert stale_plan.injected_tokens > 0
     old_violin_ref, old_lisbon_ref = shard.facts[violin].ref, shard.facts[lisbon].ref
 
@@ -148,7 +149,7 @@ def test_deleted_and_updated_facts_are_never_retrieved_or_injected(memory: Memor
     (top,) = shard.search("alice", "Which city do I live in?", 1)
     assert top.fact_id == lisbon and top.text == "Alice moved to Oslo."
 
-    plan = shard.plan_chat("alice", [{"role": "user", "content": "Where do I live?"}], k=10)
+    plan = shard.plan_chat(ChatQuery(user_id="alice", messages=[{"role": "user", "content": "Where do I live?"}], top_k=10))
     text = shard.layout.tokenizer.decode(plan.prompt_token_ids)
     assert "Oslo" in text and "Lisbon" not in text and "violin" not in text
     assert plan.prefilled_fact_ids == []  # the updated fact's new KV is live
@@ -176,7 +177,7 @@ def test_full_arena_evicts_cold_facts_and_keeps_answers_whole(engine_factory, sm
         stats = m.shard.stats()
         assert stats["facts"] == 12 and 0 < stats["facts_with_kv"] < 12
         assert stats["kv_evictions_total"] > 0  # the LRU made room for later facts, and says so
-        plan = m.shard.plan_chat("alice", [{"role": "user", "content": "How many marbles?"}], k=12)
+        plan = m.shard.plan_chat(ChatQuery(user_id="alice", messages=[{"role": "user", "content": "How many marbles?"}], top_k=12))
         assert sorted(f.fact_id for f in plan.facts) == sorted(ids)
         assert plan.prefilled_fact_ids  # evicted facts are prefilled as text, never dropped
         text = m.shard.layout.tokenizer.decode(plan.prompt_token_ids)
@@ -237,15 +238,15 @@ def test_facts_that_do_not_fit_the_context_are_left_out_least_relevant_first(mem
     shard = memory.shard
     memory.add("ivan", "Ivan's dog is named Rex.", "Ivan likes jazz music.", "Ivan was born in Kyiv.")
     question = [{"role": "user", "content": "What is the name of my dog?"}]
-    full = shard.plan_chat("ivan", question, k=3)
+    full = shard.plan_chat(ChatQuery(user_id="ivan", messages=question, top_k=3))
     assert len(full.facts) == 3 and full.facts[0].text == "Ivan's dog is named Rex."
     top = shard.facts[full.facts[0].fact_id].segment_ids
     budget = len(shard.layout.prefix_ids) + len(top) + len(shard.layout.suffix_ids(question))
     for mode in ("kv", "prompt"):
-        fitted = shard.plan_chat("ivan", question, k=3, mode=mode, max_prompt_tokens=budget)
+        fitted = shard.plan_chat(ChatQuery(user_id="ivan", messages=question, top_k=3, mode=mode, max_prompt_tokens=budget))
         assert [f.fact_id for f in fitted.facts] == [full.facts[0].fact_id]
         assert len(fitted.prompt_token_ids) == budget
-    bare = shard.plan_chat("ivan", question, k=3, max_prompt_tokens=budget - 1)
+    bare = shard.plan_chat(ChatQuery(user_id="ivan", messages=question, top_k=3, max_prompt_tokens=budget - 1))
     assert bare.facts == [] and len(bare.prompt_token_ids) == budget - len(top)
     out = memory.run(bare)
     assert out.num_cached_tokens == bare.injected_tokens == len(shard.layout.prefix_ids)
@@ -341,7 +342,7 @@ def test_an_encode_that_keeps_failing_is_given_up_with_its_reason_visible(smollm
         assert stats["encode_failed"] == 1 and stats["encode_failures"] == [
             {"fact_id": doomed, "attempts": 3, "reason": "ValueError: attempt 3 failed"}
         ]
-        plan = shard.plan_chat("max", [{"role": "user", "content": "What do I row?"}], k=1)
+        plan = shard.plan_chat(ChatQuery(user_id="max", messages=[{"role": "user", "content": "What do I row?"}], top_k=1))
         assert plan.prefilled_fact_ids == [doomed] and shard.pending_encodes() == 0  # served as text, not queued again
         assert shard.stats()["entries_writing"] == 0 and shard.stats()["entries_live"] == 1  # nothing leaked
 
@@ -374,7 +375,7 @@ def test_eviction_passes_over_pinned_entries(smollm2_dir, redis_server) -> None:
         for key in (lru[2], new):  # pin everything: an allocation fails at once instead of looping
             ref = shard.facts[key].ref
             shard.arena.pin(ref.entry_id, ref.generation)
-        shard.plan_chat("ola", [{"role": "user", "content": "How many cats?"}], k=4)  # queues the evicted one again
+        shard.plan_chat(ChatQuery(user_id="ola", messages=[{"role": "user", "content": "How many cats?"}], top_k=4))  # queues the evicted one again
         assert shard.take_encode_jobs() == [] and shard.pending_encodes() == 1  # it waits for room
         assert geometry.num_pages == int((shard.arena.page_owner >= 0).sum())
     finally:

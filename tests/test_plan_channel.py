@@ -14,9 +14,10 @@ import uuid
 
 import pytest
 
-from actors.plan_channel import PlanChannelTimeout, PlanClient, PlanRequest, PlanServer, plan_channel_address
+from actors.plan_channel import PlanChannelTimeout, PlanClient, PlanServer, plan_channel_address
 from actors.shard_actor import ShardActor
 from actors.shard_client import ShardClient
+from memory.chat_query import ChatQuery
 from memory.planner import ChatPlan
 from memory.shard import MemoryShard
 
@@ -25,15 +26,15 @@ def fresh_address() -> str:
     return plan_channel_address(f"/tmp/test-{uuid.uuid4().hex[:12]}")
 
 
-def echo_plan(request: PlanRequest) -> ChatPlan:
-    """A plan that says which request it answers."""
-    if request.mode == "boom":
-        raise ValueError(f"no plan for {request.user_id}")
-    return ChatPlan(prompt_token_ids=[len(request.user_id), request.k or 0], mode=request.mode, cache_salt=request.user_id)
+def echo_plan(query: ChatQuery) -> ChatPlan:
+    """A plan that says which query it answers; a user named "boom" gets an error."""
+    if query.user_id == "boom":
+        raise ValueError(f"no plan for {query.user_id}")
+    return ChatPlan(prompt_token_ids=[len(query.user_id), query.top_k or 0], mode=query.mode, cache_salt=query.user_id)
 
 
-def ask(user: str, k: int = 5, mode: str = "kv") -> PlanRequest:
-    return PlanRequest(user, [{"role": "user", "content": "hi"}], k, mode, None)
+def ask(user: str, k: int = 5, mode: str = "kv") -> ChatQuery:
+    return ChatQuery(user_id=user, messages=[{"role": "user", "content": "hi"}], top_k=k, mode=mode)
 
 
 @pytest.fixture()
@@ -62,8 +63,8 @@ def test_the_shards_error_is_raised_in_the_replica(server: PlanServer) -> None:
     async def main() -> None:
         client = PlanClient(server.address, timeout_s=10)
         try:
-            with pytest.raises(ValueError, match="no plan for dana"):
-                await client.plan(ask("dana", mode="boom"))
+            with pytest.raises(ValueError, match="no plan for boom"):
+                await client.plan(ask("boom"))
             assert (await client.plan(ask("dana"))).cache_salt == "dana"  # the channel goes on
         finally:
             client.close()
@@ -172,12 +173,12 @@ def test_a_stray_message_does_not_stop_the_channel(server: PlanServer) -> None:
 
 def test_the_client_asks_through_ray_when_the_channel_does_not_answer() -> None:
     class Planner:  # what the client's Ray path calls: plan_chat with the shard's signature
-        def plan_chat(self, user_id, messages, k, mode, max_prompt_tokens, prefill_top_m):
-            return echo_plan(PlanRequest(user_id, messages, k, mode, max_prompt_tokens, prefill_top_m))
+        def plan_chat(self, query: ChatQuery) -> ChatPlan:
+            return echo_plan(query)
 
     client = ShardClient.in_process(Planner())
     client.plan_channel = PlanClient(fresh_address(), timeout_s=0.2)
-    plan = asyncio.run(client.plan_chat("dana", [{"role": "user", "content": "hi"}], 7, "kv", None))
+    plan = asyncio.run(client.plan_chat(ask("dana", k=7)))
     assert (plan.cache_salt, plan.prompt_token_ids) == ("dana", [4, 7])
     assert client.plans_over_ray == 1
 
@@ -194,7 +195,7 @@ def test_the_shard_actor_plans_over_its_channel_as_over_ray_also_after_a_restart
     import ray
 
     from actors.shard_actor import start_shard_actor
-    from memory.fact_store import NewFact
+    from memory.records import NewFact
     from tests.test_memory_shard import shard_settings
 
     settings = shard_settings(window_turns=0)
@@ -210,7 +211,8 @@ def test_the_shard_actor_plans_over_its_channel_as_over_ray_also_after_a_restart
             for text in facts:
                 await over_ray.add_facts("sam" if text.startswith("Sam") else "dana", [NewFact(text=text)])
             question = [{"role": "user", "content": "What is my dog called?"}]
-            return [await client.plan_chat("dana", question, 2, "kv", None) for client in (over_ray, over_channel)]
+            query = ChatQuery(user_id="dana", messages=question, top_k=2)
+            return [await client.plan_chat(query) for client in (over_ray, over_channel)]
 
         def same(a: ChatPlan, b: ChatPlan) -> None:
             assert a.prompt_token_ids == b.prompt_token_ids and a.cache_salt == b.cache_salt

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.extraction import parse_facts
-from memory.fact_store import Turn
+from serve_app.replica.extraction import parse_facts
+from memory.records import Turn
 from memory.prompting import PromptLayout, extraction_schema
 
 

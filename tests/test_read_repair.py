@@ -18,9 +18,10 @@ import pytest
 import redis
 
 from devtools.local_redis import LocalRedis
-from memory.fact_store import NewFact
+from memory.records import NewFact
 from memory.shard import MemoryShard
 from tests.test_memory_shard import shard_settings
+from memory.chat_query import ChatQuery
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,7 @@ def losing_the_reply(server: LocalRedis, call: Callable[..., Any]) -> Callable[.
 
 
 def planned_texts(shard: MemoryShard, user: str) -> set[str]:
-    return {hit.text for hit in shard.plan_chat(user, QUESTION, k=10, mode="prompt").facts}
+    return {hit.text for hit in shard.plan_chat(ChatQuery(user_id=user, messages=QUESTION, top_k=10, mode="prompt")).facts}
 
 
 def test_an_add_redis_applied_but_never_answered_is_adopted_once_redis_is_back(shard: MemoryShard, server: LocalRedis) -> None:

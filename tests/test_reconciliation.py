@@ -1,4 +1,4 @@
-"""Reconciling extracted facts with the memory (serve_app.reconciliation), without the engine.
+"""Reconciling extracted facts with the memory (serve_app.replica.reconciliation), without the engine.
 
 The decision's schema, prompt, aliasing and validation are plain functions: tested on answers a
 model could give (malformed, unknown alias, another user's fact). The decisions are applied
@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from actors.shard_client import ShardClient
-from memory.fact_store import NewFact
+from memory.records import NewFact
 from memory.index import IndexSettings
-from memory.planner import MemoryHit
+from memory.records import MemoryHit
 from memory.settings import ArenaCapacity, MemorySettings
 from memory.shard import MemoryShard
-from serve_app.reconciliation import (
+from serve_app.replica.reconciliation import (
     Candidate,
     Decision,
     alias_candidates,

@@ -95,7 +95,7 @@ def test_make_serve_announces_the_app_once_its_health_says_ok() -> None:
 
 
 def test_auto_dtype_is_float32_only_on_cpus_without_native_bf16() -> None:
-    from serve_app.engine import cpu_has_native_bf16
+    from serve_app.replica.engine import cpu_has_native_bf16
 
     assert not cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")  # this machine's kind
     assert cpu_has_native_bf16("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")  # Sapphire Rapids
@@ -105,7 +105,7 @@ def test_auto_dtype_is_float32_only_on_cpus_without_native_bf16() -> None:
 def test_engine_kwargs_carry_stream_interval_and_load_format_only_when_set() -> None:
     """engine.stream_interval (tokens per streamed event after the first) and engine.load_format
     reach vLLM's engine arguments; the defaults leave vLLM's own defaults alone."""
-    from serve_app.engine import engine_kwargs
+    from serve_app.replica.engine import engine_kwargs
     from serve_app.settings import EngineSettings
 
     plain = engine_kwargs(EngineSettings(dtype="float32"), "/m")
@@ -119,7 +119,7 @@ def test_batch_invariant_sets_vllms_switch_only_when_asked(monkeypatch: pytest.M
     subprocess) starts with; off by default."""
     import os
 
-    from serve_app.engine import prepare_environment
+    from serve_app.replica.engine import prepare_environment
     from serve_app.settings import EngineSettings
 
     # setenv (not delenv, which records nothing for an absent name) so that monkeypatch removes

@@ -12,7 +12,8 @@ import uuid
 
 import pytest
 
-from memory.fact_store import NewFact, Turn
+from memory.chat_query import ChatQuery
+from memory.records import NewFact, Turn
 from actors.shard_actor import start_shard_actor
 from actors.shard_client import ShardClient
 from bench.ingest_locomo import ingest
@@ -66,7 +67,7 @@ def test_kill_mid_ingest_then_every_acknowledged_fact_is_back(ray_session, engin
         # and the KV: all re-encoded into the reset arena and injectable
         stats = ray.get(shard.stats.remote())
         assert stats["facts"] == stats["facts_with_kv"] == 30 and stats["pending_encodes"] == 0
-        plan = ray.get(shard.plan_chat.remote("dana", [{"role": "user", "content": "What did I do on day 7?"}], 8))
+        plan = ray.get(shard.plan_chat.remote(ChatQuery(user_id="dana", messages=[{"role": "user", "content": "What did I do on day 7?"}], top_k=8)))
         assert len(plan.facts) == 8 and plan.prefilled_fact_ids == []
         out = run_plan(llm, plan, max_tokens=4)
         assert out.num_cached_tokens == plan.injected_tokens > 0

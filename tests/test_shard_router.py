@@ -1,4 +1,4 @@
-"""UserShardRouter (serve_app.shard_router) with Ray Serve's own request objects: a shard hint
+"""UserShardRouter (serve_app.ingress.shard_router) with Ray Serve's own request objects: a shard hint
 goes only to that shard's replica (or waits), a user id to its stable-hash shard, and a replica
 that has not published its shard is never chosen for a strict hint.
 
@@ -17,7 +17,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from memory.redis_keys import stable_shard
-from serve_app.shard_router import UserShardRouter, replica_metadata, shard_hint, wanted_shard
+from serve_app.ingress.shard_router import UserShardRouter, replica_metadata, shard_hint, wanted_shard
 
 DEPLOYMENT = DeploymentID(name="LLMReplica", app_name="kvmem")
 

@@ -1,4 +1,4 @@
-"""ShardWatchdog (serve_app.shard_watchdog) against a real Ray actor that stops answering:
+"""ShardWatchdog (serve_app.replica.shard_watchdog) against a real Ray actor that stops answering:
 probes report "unavailable" while the silence is shorter than restart_after_s, then the watchdog
 kills the actor with restart allowed, Ray starts a new process, and probes answer "ok" again;
 an actor that answers is never restarted, nor one that has not answered since it started (a
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from actors.shard_client import ShardClient
-from serve_app.shard_watchdog import ShardWatchdog
+from serve_app.replica.shard_watchdog import ShardWatchdog
 
 pytestmark = pytest.mark.slow
 

@@ -46,7 +46,7 @@ def memory_usage(plan: Any, output: Any) -> MemoryUsage | None:
 
 def logprobs_of(request: ChatCompletionRequest, completion: Any, start: int, tokenizer: Any) -> ChoiceLogprobs | None:
     """OpenAI logprobs of the completion's tokens from `start` on, when the request asked."""
-    from serve_app.sampling import choice_logprobs
+    from serve_app.replica.sampling import choice_logprobs
 
     return choice_logprobs(completion, start, request.top_logprobs or 0, tokenizer) if request.logprobs else None
 

@@ -1,15 +1,13 @@
-"""API keys, OpenAI style (`Authorization: Bearer <key>`): who may act for which users.
+"""API keys in Redis, stored by their SHA-256 only (serve_app.ingress.auth decides what a key may do).
 
-Each key is bound to the user ids it may act for, or to all of them (an admin key). Keys are
-stored in Redis by their SHA-256 only: a key is 256 random bits, so a fast hash is as strong as
-a slow password hash here and lets every request be checked with one Redis read (cached).
+A key is 256 random bits, so a fast hash is as strong as a slow password hash here and lets every
+request be checked with one Redis read (cached for `cache_ttl_s`).
 
     P:apikey:{sha256}    hash: key_id, label, users (JSON list, or "*" for admin), created_at
     P:apikeys            hash: key_id -> sha256 (listing and revocation)
 
-`auth.mode`: `keys` (the KubeRay manifests: an admin key comes from a Secret as
-KVMEM_AUTH__ADMIN_KEY) or `off` (the embedded default: every caller acts as admin, so the
-service must listen on loopback only, and says so when it starts).
+Reads and writes use redis.asyncio with short socket timeouts; a Redis error surfaces as
+memory.directory.StoreUnavailable, so callers need not import redis-py.
 """
 
 from __future__ import annotations
@@ -20,28 +18,13 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Literal
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field
+
+from memory.directory import redis_unavailable
 
 KEY_PREFIX = "kvm-"
-
-
-class AuthSettings(BaseModel):
-    """Who may call the service."""
-
-    mode: Literal["off", "keys"] = Field(
-        "off",
-        description="keys: every route needs a valid API key (Authorization: Bearer), checked against the user it "
-        "touches; off: no checks, for a service on loopback only (the embedded default).",
-    )
-    admin_key: SecretStr | None = Field(
-        None,
-        description="An admin key accepted in keys mode and stored (hashed) at start; in Kubernetes from a Secret "
-        "(KVMEM_AUTH__ADMIN_KEY). More keys: POST /v1/admin/keys or `python -m serve_app.keys_cli`.",
-    )
-    cache_ttl_s: float = Field(30.0, ge=0, description="How long the ingress trusts a key lookup (revocations take this long).")
 
 
 @dataclass(frozen=True)
@@ -62,9 +45,6 @@ class Principal:
     def cache_scope(self) -> str:
         """The prefix-cache scope of this caller's requests that name no user."""
         return f"key:{self.key_id}"
-
-
-ANONYMOUS_ADMIN = Principal(key_id="auth-off", users=None)
 
 
 class KeyRecord(BaseModel):
@@ -99,6 +79,7 @@ class KeyStore:
     def _index(self) -> str:
         return f"{self.prefix}:apikeys"
 
+    @redis_unavailable("key store")
     async def create(self, users: list[str] | None, label: str = "", key: str | None = None) -> tuple[str, KeyRecord]:
         """A new key (returned once, never stored in clear) bound to `users` (None: admin)."""
         key = key or KEY_PREFIX + secrets.token_urlsafe(32)
@@ -117,8 +98,9 @@ class KeyStore:
         self._cache.pop(digest, None)
         return key, record
 
+    @redis_unavailable("key store")
     async def principal(self, key: str) -> Principal | None:
-        """Who `key` acts as, or None for an unknown or revoked key."""
+        """Who `key` acts as, or None for an unknown or revoked key (StoreUnavailable: Redis did not answer)."""
         digest = hash_key(key)
         cached = self._cache.get(digest)
         if cached is not None and time.monotonic() - cached[0] < self.cache_ttl_s:
@@ -133,6 +115,7 @@ class KeyStore:
         self._cache[digest] = (time.monotonic(), principal)
         return principal
 
+    @redis_unavailable("key store")
     async def list(self) -> list[KeyRecord]:
         records = []
         for key_id, digest in (await self.r.hgetall(self._index)).items():
@@ -143,6 +126,7 @@ class KeyStore:
                                          users=None if users == "*" else json.loads(users), created_at=float(raw[b"created_at"])))
         return sorted(records, key=lambda r: r.created_at)
 
+    @redis_unavailable("key store")
     async def revoke(self, key_id: str) -> bool:
         digest = await self.r.hget(self._index, key_id)
         if digest is None:

@@ -13,7 +13,7 @@ import logging
 import uuid
 from typing import Any, Sequence
 
-from memory.fact_store import NewFact, Turn
+from memory.records import NewFact, Turn
 from memory.prompting import PromptLayout, extraction_schema
 
 logger = logging.getLogger(__name__)

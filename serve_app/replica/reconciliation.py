@@ -34,8 +34,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
-from memory.fact_store import NewFact, UnknownFact
-from memory.planner import MemoryHit
+from memory.records import NewFact, UnknownFact
+from memory.records import MemoryHit
 from memory.settings import MemorySettings
 
 logger = logging.getLogger(__name__)

@@ -1,9 +1,9 @@
-"""Manage API keys from a shell (the same store the service reads; see serve_app.auth).
+"""Manage API keys from a shell (the same store the service reads; see serve_app.ingress.auth).
 
-    python -m serve_app.keys_cli create --user alice --user bob [--label app]   # prints the key once
-    python -m serve_app.keys_cli create --admin
-    python -m serve_app.keys_cli list
-    python -m serve_app.keys_cli revoke key_0123456789ab
+    python -m serve_app.ingress.keys_cli create --user alice --user bob [--label app]   # prints the key once
+    python -m serve_app.ingress.keys_cli create --admin
+    python -m serve_app.ingress.keys_cli list
+    python -m serve_app.ingress.keys_cli revoke key_0123456789ab
 
 Redis and the key prefix come from the service settings (REDIS_URL, KVMEM_MEMORY__REDIS_PREFIX).
 """
@@ -14,7 +14,7 @@ import argparse
 import asyncio
 import json
 
-from serve_app.auth import KeyStore
+from memory.key_store import KeyStore
 from serve_app.settings import ServiceSettings
 
 

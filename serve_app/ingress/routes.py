@@ -4,7 +4,7 @@ ChatAPI (`routing: router`, the default) runs in its own Serve replicas in front
 LLMReplica deployment per shard and sends each user to the replica holding that user's memory;
 it imports neither torch nor vLLM (tests/test_layout.py checks), so it starts in a second and
 stays light. With `routing: direct` the same routes run inside each LLM replica
-(serve_app.replica_ingress), one Serve hop fewer.
+(serve_app.replica.direct_ingress), one Serve hop fewer.
 
 Routes (OpenAI chat completions plus Mem0-style memory operations):
     POST   /v1/chat/completions          chat; `user` selects the memory, `memory` the mode
@@ -20,7 +20,7 @@ Routes (OpenAI chat completions plus Mem0-style memory operations):
     POST   /v1/admin/keys                create an API key (admin); GET lists, DELETE /{key_id} revokes
     GET    /health                       Redis, and each replica's engine and shard (no key needed)
 
-Who may do what (serve_app.auth): with `auth.mode: keys` every route but /health needs a key;
+Who may do what (serve_app.ingress.auth): with `auth.mode: keys` every route but /health needs a key;
 a key acts only for its users: 401 without a valid key, 403 for another user's data, and fact-id
 routes answer the same 404 for "not yours" as for "does not exist".
 
@@ -39,11 +39,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from redis.exceptions import RedisError
 
-from memory.directory import UserDirectory
-from serve_app.auth import ANONYMOUS_ADMIN, KeyRecord, KeyStore, Principal
-from serve_app.errors import install_error_handlers
+from memory.directory import StoreUnavailable, UserDirectory
+from serve_app.ingress.auth import Authenticator, KeyRecord, KeyStore, Principal
+from serve_app.ingress.errors import install_error_handlers
 from serve_app.protocol import (
     AddMemoryRequest,
     ChatCompletionRequest,
@@ -85,13 +84,13 @@ def _http_error(exc: BaseException) -> HTTPException | None:
 _ENGINE_DOWN = {"EngineDeadError", "EngineGenerateError"}
 
 
-def _unavailable(what: str, exc: BaseException) -> HTTPException:
-    return HTTPException(status_code=503, detail=f"{what} unavailable: {exc}")
+def _unavailable(exc: StoreUnavailable) -> HTTPException:
+    return HTTPException(status_code=503, detail=str(exc), headers={"Retry-After": "5"})
 
 
 class ChatRoutes:
     """The HTTP routes, for whichever deployment is the ingress: the ChatAPI router deployment
-    (below) or, with `routing: direct`, each LLM replica itself (serve_app.replica_ingress).
+    (below) or, with `routing: direct`, each LLM replica itself (serve_app.replica.direct_ingress).
     A subclass says where a shard's calls go (`_replica`, `_home_replica`, `num_shards`); what
     it returns answers the LLM replica's methods as `x.method.remote(...)`, like a Serve handle."""
 
@@ -103,14 +102,9 @@ class ChatRoutes:
         prefix = settings.memory.redis_prefix
         self.directory = UserDirectory.from_url(settings.redis_url, prefix)
         self.keys = KeyStore.from_url(settings.redis_url, prefix, settings.auth.cache_ttl_s)
-        self._admin_key_stored = settings.auth.admin_key is None
+        self.auth = Authenticator(settings.auth, self.keys)
         if getattr(self, "stage_seconds", None) is None:  # the LLM replica may have made it
             self.stage_seconds = stage_histogram()
-        if settings.auth.mode == "off":
-            logger.warning(
-                "auth.mode is off: every client may act for every user. Serve on loopback only "
-                "(http_options.host: 127.0.0.1); set auth.mode: keys anywhere else."
-            )
 
     def _replica(self, shard: int) -> Any:
         """The calls of shard `shard`'s LLM replica."""
@@ -120,40 +114,12 @@ class ChatRoutes:
         """The replica for requests that touch no user's memory."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ who is calling
-    async def _principal(self, credentials: HTTPAuthorizationCredentials | None) -> Principal:
-        if self.settings.auth.mode == "off":
-            return ANONYMOUS_ADMIN
-        unauthorized = HTTPException(401, "a valid API key is required (Authorization: Bearer ...)", {"WWW-Authenticate": "Bearer"})
-        if credentials is None or not credentials.credentials:
-            raise unauthorized
-        try:
-            if not self._admin_key_stored:
-                await self.keys.create(None, label="admin (settings)", key=self.settings.auth.admin_key.get_secret_value())
-                self._admin_key_stored = True
-            principal = await self.keys.principal(credentials.credentials)
-        except RedisError as exc:
-            raise _unavailable("key store (Redis)", exc) from exc
-        if principal is None:
-            raise unauthorized
-        return principal
-
-    @staticmethod
-    def _require_user(principal: Principal, user_id: str) -> None:
-        if not principal.may_act_for(user_id):
-            raise HTTPException(403, f"this API key may not act for user {user_id!r}")
-
-    @staticmethod
-    def _require_admin(principal: Principal) -> None:
-        if not principal.is_admin:
-            raise HTTPException(403, "this route needs an admin API key")
-
     # ------------------------------------------------------------------ routing
     async def _shard_of_user(self, user_id: str) -> int:
         try:
             return await self.directory.shard_of(user_id, self.num_shards)
-        except RedisError as exc:
-            raise _unavailable("memory store (Redis)", exc) from exc
+        except StoreUnavailable as exc:
+            raise _unavailable(exc) from exc
 
     async def _replica_of_user(self, user_id: str) -> Any:
         return self._replica(await self._shard_of_user(user_id))
@@ -164,8 +130,8 @@ class ChatRoutes:
         """The replica and owner of a fact the caller may touch; one 404 for absent and not yours."""
         try:
             owner = await self.directory.owner_of_fact(fact_id)
-        except RedisError as exc:
-            raise _unavailable("memory store (Redis)", exc) from exc
+        except StoreUnavailable as exc:
+            raise _unavailable(exc) from exc
         if owner is None or not principal.may_act_for(owner) or (user_id is not None and owner != user_id):
             raise HTTPException(status_code=404, detail=f"no memory {fact_id!r}")
         return await self._replica_of_user(owner), owner
@@ -191,11 +157,11 @@ class ChatRoutes:
         """The ingress's stages (auth, route, replica_first_event; serve_app.stage_timings) come
         back in a Server-Timing header and go to kvmem_stage_seconds; the replica's in `timings`."""
         clock = StageClock()
-        principal = await self._principal(credentials)
+        principal = await self.auth.principal(credentials)
         routed = clock.record("auth", clock.started)
         shard: int | None = None
         if request.user:
-            self._require_user(principal, request.user)
+            self.auth.require_user(principal, request.user)
             shard = self.directory.cached_shard(request.user)
             if shard is None:
                 try:
@@ -245,7 +211,7 @@ class ChatRoutes:
     async def add_memories(
         self, request: AddMemoryRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> dict[str, Any]:
-        self._require_user(await self._principal(credentials), request.user_id)
+        self.auth.require_user(await self.auth.principal(credentials), request.user_id)
         return await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
 
     @api.get("/v1/memories")
@@ -253,7 +219,7 @@ class ChatRoutes:
         self, user_id: str = Query(..., min_length=1, max_length=256),
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
     ) -> dict[str, Any]:
-        self._require_user(await self._principal(credentials), user_id)
+        self.auth.require_user(await self.auth.principal(credentials), user_id)
         records = await self._answer((await self._replica_of_user(user_id)).get_all.remote(user_id))
         return {"results": [r.model_dump() for r in records]}
 
@@ -261,7 +227,7 @@ class ChatRoutes:
     async def search_memories(
         self, request: SearchMemoryRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> dict[str, Any]:
-        self._require_user(await self._principal(credentials), request.user_id)
+        self.auth.require_user(await self.auth.principal(credentials), request.user_id)
         replica = await self._replica_of_user(request.user_id)
         hits = await self._answer(replica.search.remote(request.user_id, request.query, request.limit))
         return {"results": [{"id": h.fact_id, "memory": h.text, "score": h.score, "source_id": h.source_id} for h in hits]}
@@ -270,7 +236,7 @@ class ChatRoutes:
     async def get_memory(
         self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> dict[str, Any]:
-        replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
+        replica, owner = await self._replica_of_fact(await self.auth.principal(credentials), fact_id, user_id)
         return (await self._answer(replica.get.remote(fact_id, owner))).model_dump()
 
     @api.put("/v1/memories/{fact_id}")
@@ -278,14 +244,14 @@ class ChatRoutes:
         self, fact_id: str, request: UpdateMemoryRequest, user_id: str | None = None,
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
     ) -> dict[str, Any]:
-        replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
+        replica, owner = await self._replica_of_fact(await self.auth.principal(credentials), fact_id, user_id)
         return (await self._answer(replica.update.remote(fact_id, owner, request.text, wait_for_kv=request.wait_for_kv))).model_dump()
 
     @api.delete("/v1/memories/{fact_id}")
     async def delete_memory(
         self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> dict[str, Any]:
-        replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
+        replica, owner = await self._replica_of_fact(await self.auth.principal(credentials), fact_id, user_id)
         await self._answer(replica.delete.remote(fact_id, owner))
         return {"message": f"memory {fact_id} deleted"}
 
@@ -294,7 +260,7 @@ class ChatRoutes:
         self, user_id: str = Query(..., min_length=1, max_length=256),
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
     ) -> dict[str, Any]:
-        self._require_user(await self._principal(credentials), user_id)
+        self.auth.require_user(await self.auth.principal(credentials), user_id)
         deleted = await self._answer((await self._replica_of_user(user_id)).delete_all.remote(user_id))
         self.directory.forget_user(user_id)  # its placement is erased with its memory
         return {"message": f"{deleted} memories of {user_id} deleted", "deleted": deleted}
@@ -303,13 +269,13 @@ class ChatRoutes:
     async def memory_history(
         self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> dict[str, Any]:
-        replica, owner = await self._replica_of_fact(await self._principal(credentials), fact_id, user_id)
+        replica, owner = await self._replica_of_fact(await self.auth.principal(credentials), fact_id, user_id)
         events = await self._answer(replica.history.remote(fact_id, owner))
         return {"results": [e.model_dump() for e in events]}
 
     @api.get("/v1/shards")
     async def shard_stats(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
-        self._require_admin(await self._principal(credentials))
+        self.auth.require_admin(await self.auth.principal(credentials))
         return {"results": [await self._answer(self._replica(shard).stats.remote()) for shard in range(self.num_shards)]}
 
     # ------------------------------------------------------------------ API keys (admin)
@@ -318,18 +284,18 @@ class ChatRoutes:
         self, request: NewKeyRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> dict[str, Any]:
         """A new API key; the key itself is in this answer only (Redis keeps its hash)."""
-        self._require_admin(await self._principal(credentials))
+        self.auth.require_admin(await self.auth.principal(credentials))
         key, record = await self.keys.create(request.users, label=request.label)
         return {"key": key, **record.model_dump()}
 
     @api.get("/v1/admin/keys")
     async def list_keys(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, list[KeyRecord]]:
-        self._require_admin(await self._principal(credentials))
+        self.auth.require_admin(await self.auth.principal(credentials))
         return {"results": await self.keys.list()}
 
     @api.delete("/v1/admin/keys/{key_id}")
     async def revoke_key(self, key_id: str, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
-        self._require_admin(await self._principal(credentials))
+        self.auth.require_admin(await self.auth.principal(credentials))
         if not await self.keys.revoke(key_id):
             raise HTTPException(404, f"no API key {key_id!r}")
         return {"message": f"API key {key_id} revoked"}
@@ -337,7 +303,7 @@ class ChatRoutes:
     # ------------------------------------------------------------------ misc
     @api.get("/v1/models")
     async def models(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
-        await self._principal(credentials)
+        await self.auth.principal(credentials)
         return {"object": "list", "data": [{"id": self.settings.served_model_name, "object": "model"}]}
 
     @api.get("/health")

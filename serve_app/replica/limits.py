@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from memory.fact_store import NewFact
+from memory.records import NewFact
 from memory.prompting import PromptLayout
 from serve_app.protocol import AddMemoryRequest, RequestRejected
 from serve_app.settings import ServiceSettings

@@ -203,11 +203,10 @@ def start_backends(settings: "ServiceSettings", shard_id: int, model: str, kv_dt
     from actors.shard_actor import start_shard_actor
     from connector.engine_config import kv_transfer_config
     from kvarena.arena import arena_geometry_for
-    from memory.shard import arena_path_of
-    from serve_app.engine import build_async_engine
+    from serve_app.replica.engine import build_async_engine
 
     memory = settings.memory.model_copy(update={"encode_context_tokens": settings.engine.max_model_len})
-    arena_path = arena_path_of(memory, settings.namespace, shard_id)
+    arena_path = memory.arena_path(settings.namespace, shard_id)
 
     def build_engine(path: str = str(arena_path)) -> Any:
         connector = kv_transfer_config(path, device_pages=memory.arena.device_pages)

@@ -1,9 +1,9 @@
 """ReplicaIngress: the `routing: direct` topology, where each LLM replica is its own HTTP ingress.
 
 Serve's proxy hands an HTTP request straight to an LLM replica, chosen by UserShardRouter
-(serve_app.shard_router) from the `x-session-id` header (the user id): one Serve hop instead of
+(serve_app.ingress.shard_router) from the `x-session-id` header (the user id): one Serve hop instead of
 two (proxy -> ChatAPI -> LLMReplica). The replica runs the same routes as ChatAPI
-(serve_app.ingress.ChatRoutes): keys, ownership checks and the user -> shard map from Redis.
+(serve_app.ingress.routes.ChatRoutes): keys, ownership checks and the user -> shard map from Redis.
 A request for its own shard runs in process; one for another shard (no header, or a user placed
 before the shard count changed) is forwarded through a handle to this deployment with the hint
 `shard:<n>`, which the router sends only to that shard's replica.
@@ -21,10 +21,10 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from serve_app.ingress import ChatRoutes, api
-from serve_app.replica import MemoryLLM
+from serve_app.ingress.routes import ChatRoutes, api
+from serve_app.replica.server import MemoryLLM
 from serve_app.settings import ServiceSettings
-from serve_app.shard_router import UserShardRouter, replica_metadata, shard_hint
+from serve_app.ingress.shard_router import UserShardRouter, replica_metadata, shard_hint
 
 
 class _LocalStream:

@@ -2,13 +2,13 @@
 
 One replica per GPU (per engine on CPU). Behind the ChatAPI router each is its own deployment
 (`LLMReplica_<i>`) so the router can send a user to the one replica holding that user's memory;
-with `routing: direct` each is also the HTTP ingress (serve_app.replica_ingress). At start the replica
+with `routing: direct` each is also the HTTP ingress (serve_app.replica.direct_ingress). At start the replica
 starts (or finds) its MemoryShard actor, opens the engine with the KV-memory connector over
 the shard's arena, and runs an EncodeDriver in the background (it picks up facts queued by a
 shard rebuild). A chat request with a `user` asks the shard for a plan (top-k facts, token
 ids, kv_transfer_params) and runs it; the replica checks the context length first, so a
 too-long prompt gets a clear 400 and the engine never sees it. Prometheus metrics go through
-ray.serve.metrics. A dead engine core is restarted in place (serve_app.replica_lifecycle);
+ray.serve.metrics. A dead engine core is restarted in place (serve_app.replica.lifecycle);
 check_health fails only when that does not work, and health() reports engine and shard.
 """
 
@@ -21,17 +21,28 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Iterator
 
+from jinja2 import TemplateError
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from actors.plan_channel import PlanClient, plan_channel_address
 from actors.shard_client import ShardClient
-from memory.fact_store import FactEvent, FactRecord, NewFact, Turn, UnknownFact
-from memory.planner import MemoryHit
+from memory.composition import scope_cache_salt
+from memory.prompting import PromptLayout
+from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact
+from memory.records import MemoryHit
 from serve_app.protocol import AddMemoryRequest, ChatCompletionRequest, ChatCompletionResponse, NotFound, RequestRejected
-from serve_app.errors import RefusalsAreNotFailures
-from serve_app.limits import TokenLimits
+from serve_app.ingress.errors import RefusalsAreNotFailures
+from serve_app.replica.chat_responses import ChunkStream, completion_response
+from serve_app.replica.encode_driver import EncodeDriver
+from serve_app.replica.engine import resolve_dtype
+from serve_app.replica.extraction import extract_facts
+from serve_app.replica.lifecycle import start_backends
+from serve_app.replica.limits import TokenLimits
+from serve_app.replica.reconciliation import reconcile_and_add
+from serve_app.replica.sampling import sampling_params
+from serve_app.replica.shard_watchdog import ShardWatchdog
 from serve_app.settings import ServiceSettings
-from serve_app.shard_watchdog import ShardWatchdog
 from serve_app.stage_timings import StageClock, stage_histogram
 
 logger = logging.getLogger(__name__)
@@ -63,14 +74,10 @@ def _not_found() -> Iterator[None]:
 
 class MemoryLLM:
     """One vLLM engine with its memory shard: the replica's work, whichever deployment runs it
-    (LLMReplica below, behind the ChatAPI router; or serve_app.replica_ingress.ReplicaIngress)."""
+    (LLMReplica below, behind the ChatAPI router; or serve_app.replica.direct_ingress.ReplicaIngress)."""
 
     def __init__(self, settings: ServiceSettings, shard_id: int = 0) -> None:
-        from transformers import AutoTokenizer
-
-        from memory.prompting import PromptLayout
-        from serve_app.engine import resolve_dtype
-        from serve_app.replica_lifecycle import start_backends
+        from transformers import AutoTokenizer  # the process boundary: module docstring
 
         self.settings = settings
         self.shard_id = shard_id
@@ -85,7 +92,6 @@ class MemoryLLM:
         self.watchdog = ShardWatchdog(self.shard, settings.health_timeout_s, settings.shard_restart_after_s)
         self._driver_task: asyncio.Task | None = None
         self._stats_exported_at = 0.0
-        from serve_app.encode_driver import EncodeDriver
 
         self.ttft = Histogram("kvmem_ttft_seconds", description="Engine time to first token.", boundaries=_TTFT_BOUNDARIES_S, tag_keys=("mode",))
         self.stage_seconds = stage_histogram()
@@ -111,12 +117,9 @@ class MemoryLLM:
     @staticmethod
     def _plan_channel(settings: ServiceSettings, shard_id: int) -> Any:
         """The shard's plan channel (actors.plan_channel), unless settings turn it off."""
-        from actors.plan_channel import PlanClient, plan_channel_address
-        from memory.shard import arena_path_of
-
         if not settings.plan_channel:
             return None
-        arena = arena_path_of(settings.memory, settings.namespace, shard_id)
+        arena = settings.memory.arena_path(settings.namespace, shard_id)
         return PlanClient(plan_channel_address(str(arena)), settings.plan_channel_timeout_s)
 
     @property
@@ -134,12 +137,8 @@ class MemoryLLM:
     # ------------------------------------------------------------------ chat
     async def _prepare(self, request: ChatCompletionRequest, clock: StageClock) -> tuple[list[int], Any, Any]:
         """(prompt ids, memory plan, SamplingParams) of a chat request, or RequestRejected /
-        NotFound (unknown model) before the engine sees anything (serve_app.limits, .sampling);
+        NotFound (unknown model) before the engine sees anything (serve_app.replica.limits, .sampling);
         the plan's stages go on `clock`."""
-        from jinja2 import TemplateError
-
-        from serve_app.sampling import sampling_params
-
         if request.model is not None and request.model != self.settings.served_model_name:
             raise NotFound(
                 f"the model {request.model!r} does not exist; this service serves {self.settings.served_model_name!r}",
@@ -151,14 +150,12 @@ class MemoryLLM:
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         planned = self.limits.planned_output(asked, param)
         plan = None
+        # facts that do not fit next to the conversation are left out, least relevant first
+        query = request.memory_query(messages, self.limits.context - planned)
         try:
-            if request.user and request.memory.mode != "none":
-                # facts that do not fit next to the conversation are left out, least relevant first
+            if query is not None:
                 called = time.perf_counter()
-                plan = await self.shard.plan_chat(
-                    request.user, messages, request.memory.top_k, request.memory.mode, self.limits.context - planned,
-                    request.memory.prefill_top_m,
-                )
+                plan = await self.shard.plan_chat(query)
                 clock.record("plan_call", called)
                 clock.add(plan.timings)
                 clock.stages["shard_hop"] = clock.stages["plan_call"] - sum(plan.timings.values())
@@ -180,7 +177,7 @@ class MemoryLLM:
         timings in ms) as the engine produces tokens (cumulative outputs). Refusals are raised
         before the engine runs. Every request is salted: by its user, else by `cache_scope` (the
         caller's API key)."""
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import TokensPrompt  # the process boundary: module docstring
 
         clock = StageClock()
         self._ensure_driver()
@@ -218,17 +215,13 @@ class MemoryLLM:
             _count(self.injected_tokens, plan.injected_tokens)
 
     async def chat(self, request: ChatCompletionRequest, cache_scope: str | None = None) -> ChatCompletionResponse:
-        from serve_app.chat_responses import completion_response
-
         final = prompt_ids = plan = timings = None
         async for final, prompt_ids, plan, timings in self._run(request, cache_scope):
             pass
         return completion_response(request, self.settings.served_model_name, final, prompt_ids, plan, timings, self.tokenizer)
 
     async def chat_stream(self, request: ChatCompletionRequest, cache_scope: str | None = None) -> AsyncIterator[str]:
-        """Server-sent events in OpenAI's chat.completion.chunk format (serve_app.chat_responses.ChunkStream)."""
-        from serve_app.chat_responses import ChunkStream
-
+        """Server-sent events in OpenAI's chat.completion.chunk format (serve_app.replica.chat_responses.ChunkStream)."""
         stream = ChunkStream(request, self.settings.served_model_name, self.tokenizer)
         async for output, prompt_ids, plan, timings in self._run(request, cache_scope):
             event = stream.event(output, prompt_ids, plan, timings)
@@ -239,17 +232,12 @@ class MemoryLLM:
 
     def _user_salt(self, user_id: str) -> str:
         """The user's prefix-cache scope: their requests share cached blocks with no one else."""
-        from memory.composition import scope_cache_salt
-
         return scope_cache_salt(f"{self.settings.memory.redis_prefix}:{user_id}")
 
     # ------------------------------------------------------------------ memory operations
     async def add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
         """Mem0 add: record turns, extract or take facts, reconcile extracted facts with the memory
-        (serve_app.reconciliation), store them, encode their KV."""
-        from serve_app.extraction import extract_facts
-        from serve_app.reconciliation import reconcile_and_add
-
+        (serve_app.replica.reconciliation), store them, encode their KV."""
         self._ensure_driver()
         await asyncio.to_thread(self.limits.check_add, request)  # token bounds: a 400 before anything is stored
         user = request.user_id
@@ -345,8 +333,8 @@ class MemoryLLM:
 
     async def check_health(self) -> None:
         """Serve's probe: fails when the engine is dead and not coming back in place
-        (serve_app.replica_lifecycle.EngineKeeper.failure), so Serve replaces the replica. It also
-        probes the shard (serve_app.shard_watchdog restarts one that stopped answering)."""
+        (serve_app.replica.lifecycle.EngineKeeper.failure), so Serve replaces the replica. It also
+        probes the shard (serve_app.replica.shard_watchdog restarts one that stopped answering)."""
         self._ensure_driver()
         failure = self.keeper.failure()
         if failure is not None:

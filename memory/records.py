@@ -1,0 +1,64 @@
+"""The memory's records: conversation turns, facts and their history, as every room sees them.
+
+Plain pydantic models, no Redis and no numpy: the ingress, the replica and the shard exchange
+these (memory.fact_store keeps them durable in Redis; memory.redis_keys says where).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class UnknownFact(KeyError):
+    """No live fact with this id (for this user)."""
+
+
+class Turn(BaseModel):
+    """One conversation turn (the context window facts are encoded with)."""
+
+    turn_id: str = Field(..., min_length=1, description="Dialogue id, e.g. 'D1:3'; unique per user.")
+    speaker: str = Field(..., description="Who said it.")
+    text: str = Field(..., description="What was said.")
+    order: float = Field(..., description="Position in the user's conversation history (ascending).")
+    session_time: str | None = Field(None, description="Session date/time as given by the source.")
+
+
+class NewFact(BaseModel):
+    """A fact to add: its text and where it came from."""
+
+    text: str = Field(..., min_length=1, max_length=2000, description="The fact, one sentence.")
+    source_id: str | None = Field(None, description="Turn id the fact was extracted from (its window ends there).")
+    session_time: str | None = Field(None, description="When the source conversation happened.")
+
+
+class FactRecord(BaseModel):
+    fact_id: str
+    user_id: str
+    text: str
+    source_id: str | None = None
+    session_time: str | None = None
+    version: int = 1
+    created_at: float
+    updated_at: float
+
+
+class FactEvent(BaseModel):
+    event: Literal["ADD", "UPDATE", "DELETE"]
+    fact_id: str
+    version: int
+    old_text: str | None = None
+    new_text: str | None = None
+    at: float
+
+
+@dataclass
+class MemoryHit:
+    """A fact as retrieved for a query: its id, text, similarity score and source turn."""
+
+    fact_id: str
+    text: str
+    score: float
+    source_id: str | None = None
