@@ -276,7 +276,17 @@ class ChatRoutes:
     @api.get("/v1/shards")
     async def shard_stats(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
         self.auth.require_admin(await self.auth.principal(credentials))
-        return {"results": [await self._answer(self._replica(shard).stats.remote()) for shard in range(self.num_shards)]}
+        limit = self.settings.status_timeout_s + 0.1  # the replica answers from its last statistics after status_timeout_s
+
+        async def one(shard: int) -> dict[str, Any]:
+            try:
+                return await asyncio.wait_for(self._replica(shard).stats.remote(), limit)
+            except asyncio.TimeoutError:
+                return {"shard": shard, "unavailable": f"the replica did not answer within {limit:g} s (busy, or restarting)"}
+            except Exception as exc:  # noqa: BLE001 - a replica being replaced: reported, not a 500
+                return {"shard": shard, "unavailable": f"{type(exc).__name__}: {exc}"[:300]}
+
+        return {"results": list(await asyncio.gather(*(one(shard) for shard in range(self.num_shards))))}
 
     # ------------------------------------------------------------------ API keys (admin)
     @api.post("/v1/admin/keys")
@@ -308,21 +318,29 @@ class ChatRoutes:
 
     @api.get("/health")
     async def service_health(self) -> Any:
-        """Redis, and each replica's engine and memory shard; 503 naming whatever is not ok.
+        """Redis, and each replica's engine and memory shard; 503 naming whatever is not ok. Answers
+        within about status_timeout_s whatever they are doing: a part that has not answered by then
+        is reported as such.
 
         {"status": "ok", "redis": "ok", "replicas": {"0": {"engine": "ok", "shard": "ok"}}}"""
         from fastapi.responses import JSONResponse
 
+        limit = self.settings.status_timeout_s
+
         async def redis_status() -> str:
             try:
-                await asyncio.wait_for(self.directory.ping(), 2)
+                await asyncio.wait_for(self.directory.ping(), limit)
                 return "ok"
+            except asyncio.TimeoutError:
+                return f"no answer within {limit:g} s"
             except Exception as exc:  # reported, never raised
                 return f"unreachable: {type(exc).__name__}: {exc}"[:300]
 
         async def replica_status(replica: Any) -> dict[str, str]:
             try:
-                return await asyncio.wait_for(replica.health.remote(), self.settings.health_timeout_s + 2)
+                return await asyncio.wait_for(replica.health.remote(), limit)
+            except asyncio.TimeoutError:
+                return {"replica": f"no answer within {limit:g} s (busy, or restarting)"}
             except Exception as exc:
                 return {"replica": f"unavailable: {type(exc).__name__}: {exc}"[:300]}
 
