@@ -40,7 +40,8 @@ from pydantic import BaseModel, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from memory.directory import StoreUnavailable, UserDirectory
+from memory.directory import UserDirectory
+from memory.records import StoreUnavailable
 from serve_app.ingress.auth import Authenticator, KeyRecord, KeyStore, Principal
 from serve_app.ingress.errors import install_error_handlers
 from serve_app.protocol import (
@@ -67,7 +68,7 @@ class NewKeyRequest(BaseModel):
     label: str = Field("", max_length=256, description="A note to recognise the key by.")
 
 
-def _http_error(exc: BaseException) -> HTTPException | None:
+def http_error(exc: BaseException) -> HTTPException | None:
     """The HTTP error for a replica's exception (Ray wraps it; report the original message)."""
     cause = getattr(exc, "cause", None) or exc
     message = str(cause.args[0] if cause.args else cause)
@@ -77,6 +78,10 @@ def _http_error(exc: BaseException) -> HTTPException | None:
         return HTTPException(status_code=404, detail=message)
     if type(cause).__name__ in _ENGINE_DOWN:  # by name: the ingress does not import vLLM
         return HTTPException(503, f"the engine is restarting, try again shortly ({message})", {"Retry-After": "5"})
+    if isinstance(cause, StoreUnavailable):  # Redis away: nothing was acknowledged, try again
+        return HTTPException(503, message, {"Retry-After": "5"})
+    if isinstance(cause, TimeoutError):  # the memory shard did not answer in time (busy, or restarting)
+        return HTTPException(503, f"the memory shard is busy or restarting, try again shortly ({message})", {"Retry-After": "5"})
     return None
 
 
@@ -141,9 +146,10 @@ class ChatRoutes:
         try:
             return await asyncio.wait_for(call, self.settings.replica_call_timeout_s)
         except asyncio.TimeoutError as exc:
-            raise HTTPException(504, f"no answer within {self.settings.replica_call_timeout_s:.0f} s") from exc
+            timeout = self.settings.replica_call_timeout_s  # busy or restarting: a client should try again, as for any 503
+            raise HTTPException(503, f"the replica gave no answer within {timeout:.0f} s", {"Retry-After": "5"}) from exc
         except Exception as exc:
-            error = _http_error(exc)
+            error = http_error(exc)
             if error is not None:
                 raise error from exc
             raise
