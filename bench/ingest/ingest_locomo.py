@@ -25,8 +25,8 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from actors.shard_client import ShardClient
-from serve_app.encode_driver import EncodeDriver
-from memory.fact_store import NewFact, Turn
+from serve_app.replica.encode_driver import EncodeDriver
+from memory.records import NewFact, Turn
 
 DEFAULT_LOCOMO = Path(__file__).resolve().parents[3] / "shared" / "data" / "locomo" / "locomo8.json"
 
@@ -104,7 +104,7 @@ def main() -> None:
     from memory.shard import MemoryShard
     from memory.settings import MemorySettings
     from connector.engine_config import kv_transfer_config
-    from serve_app.engine import build_offline_engine
+    from serve_app.replica.engine import build_offline_engine
     from devtools.local_redis import LocalRedis
     from devtools.offline_models import prepare_smollm2
     from serve_app.settings import EngineSettings

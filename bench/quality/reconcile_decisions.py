@@ -1,4 +1,4 @@
-"""What the served model decides when reconciling facts (serve_app.reconciliation), on labelled pairs.
+"""What the served model decides when reconciling facts (serve_app.replica.reconciliation), on labelled pairs.
 
     .venv/bin/python -m bench.quality.reconcile_decisions [--out bench/results/reconcile_cpu.json]
 
@@ -48,11 +48,11 @@ def main() -> None:
 
     from devtools.offline_models import prepare_smollm2
     from memory.embedder import Embedder
-    from memory.fact_store import NewFact
-    from memory.planner import MemoryHit
+    from memory.records import NewFact
+    from memory.records import MemoryHit
     from memory.prompting import PromptLayout
     from serve_app import reconciliation as rec
-    from serve_app.engine import build_offline_engine
+    from serve_app.replica.engine import build_offline_engine
     from memory.settings import MemorySettings
     from serve_app.settings import EngineSettings
 

@@ -6,16 +6,16 @@ measured against what Serve costs with no work at all:
 
 - `floor_chain` (route /floor): proxy -> FastAPI ingress deployment -> DeploymentHandle
   (stream=True) -> a replica deployment that yields one server-sent event and [DONE]; the
-  ingress awaits the first event before it answers, as serve_app.ingress.ChatAPI does.
+  ingress awaits the first event before it answers, as serve_app.ingress.routes.ChatAPI does.
 - `floor_direct` (route /floor-direct): proxy -> one deployment that streams the same events.
 
 Two more rungs between that floor and the service (`routing: direct`), so the service's time
 above the floor can be split by cause in one run:
 
 - `floor_direct_routed` (route /floor-direct-routed): floor_direct behind the service's request
-  router (serve_app.shard_router.UserShardRouter, with the replica metadata it routes on).
+  router (serve_app.ingress.shard_router.UserShardRouter, with the replica metadata it routes on).
 - `floor_routes_app` (route /floor-routes, built with the service's own `args`): the service's
-  real HTTP routes (serve_app.ingress.ChatRoutes: API keys, the user -> shard map, the request
+  real HTTP routes (serve_app.ingress.routes.ChatRoutes: API keys, the user -> shard map, the request
   model, stage timings and metrics) behind UserShardRouter, where the LLM replica's `chat_stream`
   is a no-op that streams the same event. The only difference left to the service is the replica's
   own work (planning, the engine, building chunks), which the service reports per stage.
@@ -31,10 +31,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.ingress import ChatRoutes, api
-from serve_app.replica_ingress import LocalCalls
+from serve_app.ingress.routes import ChatRoutes, api
+from serve_app.replica.direct_ingress import LocalCalls
 from serve_app.settings import ServiceSettings
-from serve_app.shard_router import UserShardRouter, replica_metadata
+from serve_app.ingress.shard_router import UserShardRouter, replica_metadata
 
 EVENT = 'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":"ok"}}]}\n\n'
 DONE = "data: [DONE]\n\n"
@@ -108,7 +108,7 @@ class NoopReplica:
 
 
 class FloorRoutes(ChatRoutes):
-    """The service's HTTP routes (serve_app.ingress.ChatRoutes) in front of a NoopReplica."""
+    """The service's HTTP routes (serve_app.ingress.routes.ChatRoutes) in front of a NoopReplica."""
 
     def __init__(self, settings: ServiceSettings) -> None:
         self.num_shards, self.ingress_name = 1, "floor-routes"

@@ -30,7 +30,8 @@ FACT = "Caroline went to the LGBTQ support group on 7 May 2023 and found it powe
 
 
 def make_plan(k: int):
-    from memory.planner import ChatPlan, MemoryHit
+    from memory.planner import ChatPlan
+    from memory.records import MemoryHit
 
     hits = [MemoryHit(f"{i:032x}", FACT, 0.5, f"D{i}:3") for i in range(k)]
     tokens = 22 * k + 60  # LoCoMo facts are ~20 tokens, plus the instruction and the question
