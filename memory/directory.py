@@ -15,13 +15,10 @@ from typing import Any, Awaitable, Callable, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from memory.records import StoreUnavailable
 from memory.redis_keys import RedisKeys, stable_shard
 
 T = TypeVar("T")
-
-
-class StoreUnavailable(ConnectionError):
-    """Redis did not answer in time or refused the call: the caller answers 503, not 500."""
 
 
 def redis_unavailable(what: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:

@@ -7,7 +7,7 @@ request be checked with one Redis read (cached for `cache_ttl_s`).
     P:apikeys            hash: key_id -> sha256 (listing and revocation)
 
 Reads and writes use redis.asyncio with short socket timeouts; a Redis error surfaces as
-memory.directory.StoreUnavailable, so callers need not import redis-py.
+memory.records.StoreUnavailable, so callers need not import redis-py.
 """
 
 from __future__ import annotations

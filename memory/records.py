@@ -12,6 +12,11 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 
+class StoreUnavailable(ConnectionError):
+    """Redis did not answer in time or refused the call: the HTTP answer is 503 with Retry-After, not 500
+    (raised by memory.directory and memory.key_store for the ingress, and by the shard actor for its calls)."""
+
+
 class UnknownFact(KeyError):
     """No live fact with this id (for this user)."""
 

@@ -87,6 +87,12 @@ class MemorySettings(BaseModel):
         "back from the conversation to the fact list. Changing it changes only facts encoded afterwards.",
     )
     redis_prefix: str = Field("kvmem", description="Prefix of every Redis key this service writes.")
+    redis_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="Most seconds one Redis call of the shard waits (socket and connect timeout): while Redis is away "
+        "a write fails fast with 503 and Retry-After, instead of holding the shard's later calls behind it.",
+    )
     arena_dir: str = Field("/dev/shm", description="Folder for the shared-memory KV arenas (one per shard).")
     arena: ArenaCapacity = Field(default_factory=ArenaCapacity)
     index: IndexSettings = Field(default_factory=IndexSettings)

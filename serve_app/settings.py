@@ -112,14 +112,14 @@ class EngineSettings(BaseModel):
     load_format: Literal["auto", "dummy", "safetensors", "gguf"] = Field(
         "auto",
         description="How vLLM loads the weights. dummy: random weights from the folder's config.json (timing runs "
-        "of a model whose weights are not on the machine, bench/serve_h200.py); the answers are then noise.",
+        "of a model whose weights are not on the machine, bench/serve/serve_h200.py); the answers are then noise.",
     )
     stream_interval: int = Field(
         1,
         ge=1,
         description="Tokens per streamed event after the first (vLLM's stream_interval; the first token always goes at "
         "once). Every event crosses the replica -> ingress -> proxy hops, so at high load on a GPU larger values "
-        "(config.gpu.yaml: 8) keep those processes from capping the service's QPS (bench/serve_h200.py).",
+        "(config.gpu.yaml: 8) keep those processes from capping the service's QPS (bench/serve/serve_h200.py).",
     )
     batch_invariant: bool = Field(
         False,
@@ -185,7 +185,7 @@ class ServiceSettings(BaseSettings):
         1,
         gt=0,
         description="Replicas of the ChatAPI router (routing: router; stateless, each caches the user -> shard map). It relays "
-        "every streamed event, so one replica caps a GPU's QPS (bench/serve_h200.py); config.gpu.yaml runs 4.",
+        "every streamed event, so one replica caps a GPU's QPS (bench/serve/serve_h200.py); config.gpu.yaml runs 4.",
     )
     memory: MemorySettings = Field(default_factory=MemorySettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
@@ -224,7 +224,14 @@ class ServiceSettings(BaseSettings):
         3, gt=0, description="Failed in-place engine restarts in a row after which the replica reports itself unhealthy."
     )
     health_timeout_s: float = Field(
-        2.0, gt=0, description="Most seconds a replica's health report waits for its shard's answer."
+        2.0, gt=0, description="Most seconds one health probe of a replica's shard waits (Serve's health check, every 2 s)."
+    )
+    status_timeout_s: float = Field(
+        0.8,
+        gt=0,
+        description="Most seconds /health and /v1/shards wait for any part of the service (Redis, a replica, a shard); "
+        "a part that has not answered by then is reported as such (with its last known state), so both routes answer "
+        "within about a second whatever the engine, the shard or Redis is doing.",
     )
     shard_restart_after_s: float = Field(
         120.0,

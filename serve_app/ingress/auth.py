@@ -15,7 +15,7 @@ import logging
 from fastapi import HTTPException
 from fastapi.security import HTTPAuthorizationCredentials
 
-from memory.directory import StoreUnavailable
+from memory.records import StoreUnavailable
 from memory.key_store import KeyRecord, KeyStore, Principal
 from serve_app.settings import AuthSettings
 
