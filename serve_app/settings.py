@@ -134,7 +134,8 @@ class EngineSettings(BaseModel):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="More vLLM engine arguments, passed as they are to AsyncEngineArgs (Ray Serve LLM's engine_kwargs), "
-        "e.g. {tensor_parallel_size: 2} (give the replica as many GPUs: llm_replica_num_gpus). Names are checked "
+        "e.g. {max_logprobs: 40} (tensor_parallel_size > 1 is untried with the KV connector; it needs as many GPUs in "
+        "llm_replica_num_gpus). Names are checked "
         "against vLLM's EngineArgs when the application is built and again when the replica starts its engine; an "
         "unknown name stops either with the name. Names the replica sets itself are refused here (use the setting).",
     )
@@ -151,7 +152,11 @@ class EngineSettings(BaseModel):
 
 
 class ServiceSettings(BaseSettings):
-    """Everything the Ray Serve application needs; see the module docstring for precedence."""
+    """Everything the Ray Serve application needs; see the module docstring for precedence.
+
+    ingress_replicas and llm_replica_num_cpus / _num_gpus / _max_ongoing_requests are the options
+    the builder gives its deployments (ChatAPI, LLMReplica_<i> or LLMReplica); an entry for the
+    deployment under the Serve config's `deployments:` overrides them (README, Configuration)."""
 
     model_config = SettingsConfigDict(env_prefix="KVMEM_", env_nested_delimiter="__", extra="forbid")
 

@@ -124,3 +124,15 @@ def test_the_shipped_configs_override_no_replica_count_of_an_llm_deployment(conf
             if entry["name"].startswith("LLMReplica"):
                 assert not {"num_replicas", "autoscaling_config"} & set(entry), entry
         overridden(app.get("args") or {}, entries)
+
+
+def test_the_readmes_deployments_example_applies() -> None:
+    """The `deployments:` example in README's Configuration section is one Serve accepts for this app."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "deployments:" in b]
+    (app,) = yaml.safe_load(block)["applications"]
+    infos = overridden(app["args"], app["deployments"])
+    assert options(infos["LLMReplica_1"]) == (1, 128, {"num_cpus": 2, "num_gpus": 1})
+    assert infos["ChatAPI"].deployment_config.autoscaling_config.max_replicas == 8
