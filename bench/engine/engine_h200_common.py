@@ -12,7 +12,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / ".bench-data"  # ignored: LoCoMo-derived token ids (CC BY-NC, never committed)
 GGUF_PARTS = REPO / ".bench-gguf"  # ignored: the SmolLM2 GGUF in two parts (one call each)
-LOCOMO = REPO.parent / "shared" / "data" / "locomo" / "locomo8.json"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 K_VALUES = (5, 10, 20, 50)
 USERS = (10, 25, 50, 75, 100)

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.engine.engine_h200_common import GGUF_NAME, INSTRUCTION, LOCOMO
+from bench.engine.engine_h200_common import GGUF_NAME, INSTRUCTION
 
 
 def prepare_data(data_dir: Path, gguf_dir: Path, n_equiv: int = 50, equiv_facts: int = 20) -> None:
@@ -17,10 +17,11 @@ def prepare_data(data_dir: Path, gguf_dir: Path, n_equiv: int = 50, equiv_facts:
 
     from transformers import AutoTokenizer
 
+    from bench.quality.locomo_qa import DEFAULT_LOCOMO, NO_LOCOMO
     from devtools.offline_models import prepare_smollm2, smollm2_gguf_path
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
-    conversations = json.loads(LOCOMO.read_text())
+    conversations = json.loads((DEFAULT_LOCOMO or sys.exit(NO_LOCOMO)).read_text())  # $KVMEM_LOCOMO
 
     def ids(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -7,7 +7,7 @@ source turn). Prints facts/s and writes JSON.
 
     .venv/bin/python -m bench.ingest.ingest_locomo --conversation 0 --window 5
 
-The data stays in ../shared/data/locomo (CC BY-NC 4.0): it is read from there, never copied.
+The data (CC BY-NC 4.0) is passed by path, `--locomo` or $KVMEM_LOCOMO, and never copied.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from actors.shard_client import ShardClient
 from serve_app.replica.encode_driver import EncodeDriver
 from memory.records import NewFact, Turn
 
-DEFAULT_LOCOMO = Path(__file__).resolve().parents[3] / "shared" / "data" / "locomo" / "locomo8.json"
+DEFAULT_LOCOMO = Path(os.environ["KVMEM_LOCOMO"]) if os.environ.get("KVMEM_LOCOMO") else None  # else --locomo is required
 
 
 def _session_index(key: str) -> int:
@@ -92,7 +92,7 @@ async def ingest(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO)
+    parser.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO, required=DEFAULT_LOCOMO is None, help="default: $KVMEM_LOCOMO")
     parser.add_argument("--conversation", type=int, default=0)
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--batch", type=int, default=16)

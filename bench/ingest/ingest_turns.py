@@ -17,8 +17,8 @@ side in one run, each on its own user:
 
 Prints a table and writes JSON (`--out`): per way, adds, facts, per-add p50 / p90 / p99 in ms
 (every turn's add; most LoCoMo turns carry no fact), the same over the adds that carried facts,
-seconds, `kv_live_after_last_add_s`, and the ratio of the fact-carrying adds' p50s. The data is read from
-../shared/data/locomo (CC BY-NC 4.0), never copied into the project.
+seconds, `kv_live_after_last_add_s`, and the ratio of the fact-carrying adds' p50s. The data (CC BY-NC 4.0) is
+passed by path, `--locomo` or $KVMEM_LOCOMO, and never copied into the project.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://localhost:8000")
     parser.add_argument("--api-key", default=None, help="an admin key when auth.mode is keys (/v1/shards is an admin route)")
-    parser.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO)
+    parser.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO, required=DEFAULT_LOCOMO is None, help="default: $KVMEM_LOCOMO")
     parser.add_argument("--conversation", type=int, default=0)
     parser.add_argument("--max-turns", type=int, default=None, help="ingest only the first N turns (default: all)")
     parser.add_argument("--compare-turns", type=int, default=60, help="turns ingested with wait_for_kv (0: skip)")

@@ -22,14 +22,15 @@
    a plot of F1 per category per mode (`--plot`, needs matplotlib: `pip install .[bench]`).
 
 `--max-turns N` ingests a conversation's first N turns and their facts only, and then asks only
-the questions whose evidence turns are all among them. The data is read from
-../shared/data/locomo (CC BY-NC 4.0), never copied into the project.
+the questions whose evidence turns are all among them. The data (CC BY-NC 4.0) is passed by
+path, `--locomo` or $KVMEM_LOCOMO, and never copied into the project.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -51,7 +52,8 @@ from bench.quality.locomo_scoring import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_LOCOMO = ROOT.parent / "shared" / "data" / "locomo" / "locomo8.json"
+DEFAULT_LOCOMO = Path(os.environ["KVMEM_LOCOMO"]) if os.environ.get("KVMEM_LOCOMO") else None  # else --locomo is required
+NO_LOCOMO = "LoCoMo data not given: set KVMEM_LOCOMO to its JSON (locomo10.json of snap-research/locomo, CC BY-NC 4.0)"
 MODES = ("kv", "prompt", "none", "full")
 HEADLINE = {"k": 10, "window": 5}
 RUN_KEY = ("k", "window", "neighbours", "embedder", "model", "conversations", "run_tag", "extract", "max_turns", "max_questions", "max_tokens")
@@ -332,7 +334,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://localhost:8000", help="the service's base URL")
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer (an admin key: GET /v1/shards)")
-    parser.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO, help="default: ../shared/data/locomo/locomo8.json")
+    parser.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO, required=DEFAULT_LOCOMO is None, help="LoCoMo JSON (locomo10.json of snap-research/locomo, or a subset such as locomo8.json); default: $KVMEM_LOCOMO")
     parser.add_argument("--conversations", type=int, nargs="+", default=None, help="indices (default: all)")
     parser.add_argument("--max-turns", type=int, default=None, help="first N turns of each conversation only")
     parser.add_argument("--max-questions", type=int, default=None, help="first N questions per conversation")

@@ -48,10 +48,10 @@ def prepare() -> None:
     import tempfile
     import zipfile
 
-    from bench.quality.locomo_qa import DEFAULT_LOCOMO
+    from bench.quality.locomo_qa import DEFAULT_LOCOMO, NO_LOCOMO
 
     STAGE.mkdir(parents=True, exist_ok=True)
-    (STAGE / "locomo8.json").write_bytes(DEFAULT_LOCOMO.read_bytes())  # CC BY-NC: travels, never committed
+    (STAGE / "locomo8.json").write_bytes((DEFAULT_LOCOMO or sys.exit(NO_LOCOMO)).read_bytes())  # CC BY-NC: travels, never committed
     with tempfile.TemporaryDirectory() as folder:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", folder, PYCOUNTRY], check=True)
         for wheel in Path(folder).glob("*.whl"):

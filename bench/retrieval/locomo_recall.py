@@ -52,7 +52,7 @@ from memory.embedder import Embedder
 from memory.index import ExactIndex
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_LOCOMO = ROOT.parent / "shared" / "data" / "locomo" / "locomo8.json"
+DEFAULT_LOCOMO = Path(os.environ["KVMEM_LOCOMO"]) if os.environ.get("KVMEM_LOCOMO") else None  # else --locomo is required
 KS = (5, 10, 20, 50)
 _DIA = re.compile(r"D:?(\d+):(\d+)")
 
@@ -136,7 +136,7 @@ def percentiles(ts: list[float]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO, help="locomo8.json / locomo10.json")
+    ap.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO, required=DEFAULT_LOCOMO is None, help="locomo8.json / locomo10.json; default: $KVMEM_LOCOMO")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "locomo_recall.json")
     ap.add_argument("--model", type=Path, default=None, help="sentence-transformers folder (default: packaged all-MiniLM-L6-v2)")
     ap.add_argument("--latency-facts", type=int, default=2000)

@@ -63,7 +63,7 @@ CUVS_LIBS = ("libcuvs/lib64", "libraft/lib64", "librmm/lib64", "rapids_logger/li
 
 def prepare() -> None:
     """CPU side: the model folder (8B config, SmolLM2 tokenizer) and LoCoMo conversation 0."""
-    from bench.quality.locomo_qa import DEFAULT_LOCOMO
+    from bench.quality.locomo_qa import DEFAULT_LOCOMO, NO_LOCOMO
     from devtools.offline_models import smollm2_path
 
     model = STAGE / "model"
@@ -77,7 +77,7 @@ def prepare() -> None:
                   eos_token_id=small_config["eos_token_id"])
     (model / "config.json").write_text(json.dumps(config, indent=1))
     (model / "generation_config.json").write_text(json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}))
-    data = json.loads(DEFAULT_LOCOMO.read_text())
+    data = json.loads((DEFAULT_LOCOMO or sys.exit(NO_LOCOMO)).read_text())
     (STAGE / "locomo.json").write_text(json.dumps(data[:1]))  # CC BY-NC: travels to the device, never committed
     stage_py_spy()
     print(f"wrote {STAGE}: model/ ({config['num_hidden_layers']} layers, vocab {config['vocab_size']}), locomo.json")
