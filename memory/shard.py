@@ -2,7 +2,8 @@
 
 A shard owns, for the users assigned to it:
 - the durable fact records, through FactStore (Redis is the source of truth);
-- the vector index over fact embeddings (memory.index: exact torch or cuVS CAGRA);
+- the vector index over fact embeddings (memory.index: exact torch or cuVS CAGRA) and the
+  keyword index beside it (memory.retrieval: per-user BM25, fused with the dense search);
 - the fact KV arena (kvarena.arena), shared with the engine's connector: the shard
   allocates, commits and releases entries (memory.kv_lifecycle); the engine captures into
   them and injects them; memory.planner composes the chat prompts.
@@ -46,6 +47,7 @@ from memory.kv_lifecycle import PREFIX_KEY, EncodeJob, EncodeOutcome, FactKV, Fa
 from memory.planner import ChatPlan, MemoryHit, plan_chat
 from memory.prompting import PromptLayout
 from memory.read_repair import ReadRepair
+from memory.retrieval import Retriever, store_turn_texts
 from memory.settings import MemorySettings
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ class MemoryShard:
             embed_device = "cuda" if torch.cuda.is_available() else "cpu"
         self.embedder = Embedder(settings.embedding_model, device=embed_device)
         self.index = build_index(settings.index, self.embedder.dim)
+        self.retrieval = Retriever(settings.retrieval, self.index, store_turn_texts(self.store))  # + keyword index
         self.kv = FactKVLifecycle(
             self.arena,
             self.layout,
@@ -124,6 +127,7 @@ class MemoryShard:
             if not rows:
                 continue
             self.index.add([r.fact_id for r, _ in rows], [user_id] * len(rows), np.stack([e for _, e in rows]))
+            self.retrieval.track(r for r, _ in rows)
             for record, _ in rows:
                 self.kv.track(record)
             n += len(rows)
@@ -219,6 +223,7 @@ class MemoryShard:
         for fact_id in ids:
             self.forget(fact_id)
         self.index.clear_user(user_id)
+        self.retrieval.clear_user(user_id)
         return len(ids)
 
     def track_version(self, record: FactRecord, vector: np.ndarray) -> None:
@@ -229,6 +234,7 @@ class MemoryShard:
         if replaces:
             self.kv.drop_kv(record.fact_id)
         self.index.add([record.fact_id], [record.user_id], vector[None, :])
+        self.retrieval.track([record])
         self.kv.track(record, urgent=True)
         if replaces:
             self.kv.reencode_dependents(record.fact_id)
@@ -238,6 +244,7 @@ class MemoryShard:
         self.kv.forget(fact_id)
         self.kv.reencode_dependents(fact_id)
         self.index.remove([fact_id])
+        self.retrieval.forget(fact_id)
 
     # ================================================================== reads
     def get(self, fact_id: str, user_id: str | None = None) -> StoredFact:
@@ -260,10 +267,10 @@ class MemoryShard:
         if k <= 0:
             return []
         self.read_repair.repair(user_id)
-        return self._hits(user_id, self.embedder.embed_query(query), k)
+        return self._hits(user_id, self.embedder.embed_query(query), k, query)
 
-    def _hits(self, user_id: str, vector: np.ndarray, k: int) -> list[MemoryHit]:
-        (hits,) = self.index.search(user_id, vector, k)
+    def _hits(self, user_id: str, vector: np.ndarray, k: int, query: str = "") -> list[MemoryHit]:
+        hits = self.retrieval.search(user_id, query, vector, k)  # memory.retrieval: dense, keyword or fused
         out = []
         for hit in hits:
             state = self.facts.get(hit.fact_id)
@@ -303,7 +310,7 @@ class MemoryShard:
                 tokenized = time.perf_counter()
                 vector = embedding()
                 embedded = time.perf_counter()
-                hits = self._hits(user_id, vector, k)
+                hits = self._hits(user_id, vector, k, query)
                 tokenizing = tokenized - launched
                 timings["shard_embed"] = (launched - started + embedded - tokenized) * 1e3
                 timings["shard_search"] = (time.perf_counter() - embedded) * 1e3
@@ -329,6 +336,7 @@ class MemoryShard:
         driver polls this, so an unsure user is repaired here too, even if they never come back)."""
         if self.read_repair.unsure:
             self.read_repair.repair()
+        self.retrieval.refresh()  # rebuild written users' keyword indexes here, off the chat path
         return self.kv.take_jobs(max_jobs or self.settings.encode_batch, self.settings.encode_batch_tokens)
 
     def complete_encode_jobs(self, outcomes: dict[str, EncodeOutcome]) -> int:
@@ -356,6 +364,7 @@ class MemoryShard:
             "users_resynced_total": self.read_repair.resynced,
             "pending_encodes": self.pending_encodes(),
             "index_vectors": len(self.index),
+            **self.retrieval.stats(),  # retriever, keyword_facts, keyword_users_dirty, keyword_rebuilds_total
             "index_backend": f"{type(self.index).__name__} on {getattr(self.index, 'device', 'cpu')}",  # CagraIndex | ExactIndex
             "host_bytes_used": usage["bytes_host"],
             "host_bytes_capacity": self.arena.geometry.kv_bytes(),
