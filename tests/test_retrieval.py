@@ -3,7 +3,10 @@ the Retriever kept in step with a vector index). CPU only, no Redis, no engine."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,6 +96,12 @@ def test_keyword_random_workload_matches_a_dict_model(seed: int) -> None:
                     got = {h.fact_id for h in idx.search(u, word, 1000)}
                     assert got == {f for f, (o, t) in model.items() if o == u and word in t.split()}
     assert len(idx) == len(model)
+
+
+def test_the_keyword_index_leaves_numba_unloaded() -> None:
+    """bm25s would import numba (llvmlite), which breaks building a vLLM engine later in the same process."""
+    code = "import sys; from memory.index.keyword import KeywordIndex as K; k = K(); k.add(['a'], ['u'], ['x y']); k.search('u', 'x', 1); assert 'llvmlite' not in sys.modules and 'numba' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
 def test_tokenizer_stems_and_drops_stop_words() -> None:

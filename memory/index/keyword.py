@@ -19,6 +19,7 @@ language (stemming lifted BM25 evidence recall@10 on LoCoMo from 0.53 to 0.58).
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,10 +32,28 @@ __all__ = ["KeywordIndex", "Tokenizer"]
 _WORD = re.compile(r"(?u)\b\w\w+\b")
 
 
+def _bm25s() -> Any:
+    """Import bm25s without its optional numba backend (this index uses the numpy one): importing
+    numba loads llvmlite, whose ffi object breaks vLLM's scan of sys.modules when an engine is
+    built later in the same process (vllm/triton_utils/dispatcher.py: AttributeError)."""
+    if "bm25s" in sys.modules:
+        return sys.modules["bm25s"]
+    mask = "numba" not in sys.modules
+    if mask:
+        sys.modules["numba"] = None  # type: ignore[assignment] # import numba -> ImportError
+    try:
+        import bm25s
+    finally:
+        if mask:
+            del sys.modules["numba"]
+    return bm25s
+
+
 class Tokenizer:
     """Text -> BM25 tokens (see the module docstring); a stemmer name of None keeps words as they are."""
 
     def __init__(self, stemmer: str | None = "english", stopwords: str | None = "en") -> None:
+        _bm25s()
         from bm25s.stopwords import STOPWORDS_EN
 
         self.stopwords = frozenset(STOPWORDS_EN) if stopwords == "en" else frozenset()
@@ -125,9 +144,7 @@ class KeywordIndex:
         return sum(1 for user in self._users.values() if user.bm25 is None)
 
     def _build(self, user: _UserIndex) -> None:
-        import bm25s
-
-        bm25 = bm25s.BM25(k1=self.k1, b=self.b, method=self.method)
+        bm25 = _bm25s().BM25(k1=self.k1, b=self.b, method=self.method)
         user.ids = list(user.docs)
         bm25.index([user.docs[i] or [""] for i in user.ids], show_progress=False)
         user.bm25 = bm25
