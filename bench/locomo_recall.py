@@ -1,8 +1,13 @@
-"""Evidence recall of LoCoMo questions over the conversations' observation facts, and exact
-CPU search latency for a 2,000-fact user.
+"""Evidence recall of LoCoMo questions over the conversations' observation facts, per retriever
+(memory.retrieval: dense, keyword, hybrid, + time, + turn context, + expansion, the shipped
+default; bench/locomo_retrievers.py), and CPU search latency (exact search for a 2,000-fact
+user; the hybrid search and keyword rebuild for a 300- and a 2,000-fact user).
 
-    .venv/bin/python -m bench.locomo_recall            # writes bench/results/locomo_recall.json
+    .venv/bin/python -m bench.locomo_recall --tune     # writes bench/results/locomo_recall.json
     .venv/bin/python -m bench.locomo_recall --model DIR --out FILE   # another sentence-transformers folder
+
+The top-level "recall" and "recall_by_category" are the dense retriever's (ExactIndex alone, as
+before issue 29); "retrievers" holds every retriever on all conversations and on 0-3 / 4-7.
 
 Memory: every conversation is one user; its memory is the conversation's `observation` facts
 (Mem0-style facts per session and speaker, each with the dialogue turn(s) it came from),
