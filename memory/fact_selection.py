@@ -4,8 +4,9 @@ lays the chosen facts out).
 For a ChatQuery, FactSelector.select returns the user's facts, most relevant first:
 - mode none: no facts;
 - mode full: every fact of the user, oldest first (the order the shard tracked them in);
-- modes kv and prompt: the top-k facts for the last user message (the query's embedding, then
-  the shard's vector index), never another user's fact, never a deleted or superseded one.
+- modes kv and prompt: the top-k facts for the last user message (its embedding and its words,
+  searched by memory.retrieval: the vector index, the keyword index, fused), never another user's
+  fact, never a deleted or superseded one.
 Then the least relevant are left out until [prefix][facts][conversation] fits the query's
 max_prompt_tokens.
 
@@ -25,10 +26,10 @@ import numpy as np
 
 from memory.chat_query import ChatQuery
 from memory.embedder import Embedder
-from memory.index import VectorIndex
 from memory.kv_lifecycle import FactKV
 from memory.prompting import PromptLayout
 from memory.records import MemoryHit
+from memory.retrieval import Retriever
 
 
 @dataclass
@@ -45,9 +46,9 @@ class FactSelector:
     """Chooses a chat's facts from one shard's index (see the module docstring)."""
 
     def __init__(
-        self, *, index: VectorIndex, embedder: Embedder, facts: Mapping[str, FactKV], layout: PromptLayout, default_top_k: int
+        self, *, retriever: Retriever, embedder: Embedder, facts: Mapping[str, FactKV], layout: PromptLayout, default_top_k: int
     ) -> None:
-        self.index = index
+        self.retriever = retriever
         self.embedder = embedder
         self.facts = facts  # fact id -> its KV state (memory.kv_lifecycle; text, user, tokens)
         self.layout = layout
@@ -70,7 +71,7 @@ class FactSelector:
         tokenized = time.perf_counter()
         vector = embedding()
         embedded = time.perf_counter()
-        hits = self.top_k(query.user_id, vector, k)
+        hits = self.top_k(query.user_id, vector, k, question)
         timings = {
             "shard_embed": (launched - started + embedded - tokenized) * 1e3,
             "shard_search": (time.perf_counter() - embedded) * 1e3,
@@ -81,11 +82,12 @@ class FactSelector:
         """The user's top-k facts for `text`, most similar first (the memory search route)."""
         if k <= 0:
             return []
-        return self.top_k(user_id, self.embedder.embed_query(text), k)
+        return self.top_k(user_id, self.embedder.embed_query(text), k, text)
 
-    def top_k(self, user_id: str, vector: np.ndarray, k: int) -> list[MemoryHit]:
-        """The user's k facts nearest `vector`: only facts the shard tracks for this user."""
-        (hits,) = self.index.search(user_id, vector, k)
+    def top_k(self, user_id: str, vector: np.ndarray, k: int, text: str = "") -> list[MemoryHit]:
+        """The user's k best facts for `vector` (and `text`, for the keyword half of a hybrid
+        search; without it, dense only): only facts the shard tracks for this user."""
+        hits = self.retriever.search(user_id, text, vector, k)
         out = []
         for hit in hits:
             state = self.facts.get(hit.fact_id)

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from memory.prompting import DEFAULT_INSTRUCTION
 from memory.index import IndexSettings
+from memory.retrieval import RetrievalSettings
 
 
 class ArenaCapacity(BaseModel):
@@ -96,6 +97,9 @@ class MemorySettings(BaseModel):
     arena_dir: str = Field("/dev/shm", description="Folder for the shared-memory KV arenas (one per shard).")
     arena: ArenaCapacity = Field(default_factory=ArenaCapacity)
     index: IndexSettings = Field(default_factory=IndexSettings)
+    retrieval: RetrievalSettings = Field(
+        default_factory=RetrievalSettings, description="How facts are ranked: dense, keyword (BM25) or both (memory.retrieval)."
+    )
     embedding_model: str | None = Field(None, description="sentence-transformers folder; default all-MiniLM-L6-v2.")
     embedding_device: str = Field("auto", description="Device of the embedding model: auto (cuda when the shard has a GPU), cpu, cuda.")
     encode_batch: int = Field(32, gt=0, description="Most encode (capture) requests sent to the engine at once.")

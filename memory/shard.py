@@ -2,7 +2,8 @@
 
 A shard owns, for the users assigned to it:
 - the durable fact records, through FactStore (Redis is the source of truth);
-- the vector index over fact embeddings (memory.index: exact torch or cuVS CAGRA);
+- the vector index over fact embeddings (memory.index: exact torch or cuVS CAGRA) and the
+  keyword index beside it (memory.retrieval: per-user BM25, fused with the dense search);
 - the fact KV arena (kvarena.arena), shared with the engine's connector: the shard
   allocates, commits and releases entries (memory.kv_lifecycle); the engine captures into
   them and injects them; memory.planner composes the chat prompts.
@@ -48,6 +49,7 @@ from memory.kv_lifecycle import PREFIX_KEY, EncodeJob, EncodeOutcome, FactKV, Fa
 from memory.planner import ChatPlan, plan_chat
 from memory.prompting import PromptLayout
 from memory.read_repair import ReadRepair
+from memory.retrieval import Retriever, store_turn_texts
 from memory.settings import MemorySettings
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,7 @@ class MemoryShard:
             embed_device = "cuda" if torch.cuda.is_available() else "cpu"
         self.embedder = Embedder(settings.embedding_model, device=embed_device)
         self.index = build_index(settings.index, self.embedder.dim)
+        self.retrieval = Retriever(settings.retrieval, self.index, store_turn_texts(self.store))  # + keyword index
         self.kv = FactKVLifecycle(
             self.arena,
             self.layout,
@@ -114,7 +117,7 @@ class MemoryShard:
         )
         self.facts: dict[str, FactKV] = self.kv.facts  # fact id -> its KV state (the same dict)
         self.selector = FactSelector(
-            index=self.index, embedder=self.embedder, facts=self.facts, layout=self.layout, default_top_k=settings.top_k
+            retriever=self.retrieval, embedder=self.embedder, facts=self.facts, layout=self.layout, default_top_k=settings.top_k
         )
         self.read_repair = ReadRepair(self)  # users whose last write's Redis call failed (module docstring)
         self._rebuild()
@@ -129,6 +132,7 @@ class MemoryShard:
             if not rows:
                 continue
             self.index.add([r.fact_id for r, _ in rows], [user_id] * len(rows), np.stack([e for _, e in rows]))
+            self.retrieval.track(r for r, _ in rows)
             for record, _ in rows:
                 self.kv.track(record)
             n += len(rows)
@@ -220,6 +224,7 @@ class MemoryShard:
         for fact_id in ids:
             self.forget(fact_id)
         self.index.clear_user(user_id)
+        self.retrieval.clear_user(user_id)
         return len(ids)
 
     def track_version(self, record: FactRecord, vector: np.ndarray) -> None:
@@ -230,6 +235,7 @@ class MemoryShard:
         if replaces:
             self.kv.drop_kv(record.fact_id)
         self.index.add([record.fact_id], [record.user_id], vector[None, :])
+        self.retrieval.track([record])
         self.kv.track(record, urgent=True)
         if replaces:
             self.kv.reencode_dependents(record.fact_id)
@@ -239,6 +245,7 @@ class MemoryShard:
         self.kv.forget(fact_id)
         self.kv.reencode_dependents(fact_id)
         self.index.remove([fact_id])
+        self.retrieval.forget(fact_id)
 
     # ================================================================== reads
     def get(self, fact_id: str, user_id: str | None = None) -> StoredFact:
@@ -286,6 +293,7 @@ class MemoryShard:
         driver polls this, so an unsure user is repaired here too, even if they never come back)."""
         if self.read_repair.unsure:
             self.read_repair.repair()
+        self.retrieval.refresh()  # rebuild written users' keyword indexes here, off the chat path
         return self.kv.take_jobs(max_jobs or self.settings.encode_batch, self.settings.encode_batch_tokens)
 
     def complete_encode_jobs(self, outcomes: dict[str, EncodeOutcome]) -> int:
@@ -313,6 +321,7 @@ class MemoryShard:
             "users_resynced_total": self.read_repair.resynced,
             "pending_encodes": self.pending_encodes(),
             "index_vectors": len(self.index),
+            **self.retrieval.stats(),  # retriever, keyword_facts, keyword_users_dirty, keyword_rebuilds_total
             "index_backend": f"{type(self.index).__name__} on {getattr(self.index, 'device', 'cpu')}",  # CagraIndex | ExactIndex
             "host_bytes_used": usage["bytes_host"],
             "host_bytes_capacity": self.arena.geometry.kv_bytes(),

@@ -232,7 +232,7 @@ class ServiceSettings(BaseSettings):
         2.0, gt=0, description="Most seconds one health probe of a replica's shard waits (Serve's health check, every 2 s)."
     )
     status_timeout_s: float = Field(
-        0.8,
+        0.5,
         gt=0,
         description="Most seconds /health and /v1/shards wait for any part of the service (Redis, a replica, a shard); "
         "a part that has not answered by then is reported as such (with its last known state), so both routes answer "

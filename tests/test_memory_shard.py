@@ -148,6 +148,11 @@ def test_deleted_and_updated_facts_are_never_retrieved_or_injected(memory: Memor
         assert {h.fact_id for h in shard.search("bob", query, 10)} <= set(bob)
     (top,) = shard.search("alice", "Which city do I live in?", 1)
     assert top.fact_id == lisbon and top.text == "Alice moved to Oslo."
+    # the searches above went through the keyword index too (hybrid, the default): it holds the new text only
+    keyword = shard.retrieval.keyword
+    assert shard.retrieval.settings.retriever == "hybrid" and violin not in keyword
+    assert keyword.search("alice", "Lisbon violin", 10) == []
+    assert [h.fact_id for h in keyword.search("alice", "Oslo", 10)] == [lisbon]
 
     plan = shard.plan_chat(ChatQuery(user_id="alice", messages=[{"role": "user", "content": "Where do I live?"}], top_k=10))
     text = shard.layout.tokenizer.decode(plan.prompt_token_ids)
@@ -163,6 +168,8 @@ def test_deleted_and_updated_facts_are_never_retrieved_or_injected(memory: Memor
     assert shard.get_all("alice")[0].fact_id in {lisbon, peanuts} and len(shard.get_all("alice")) == 2
     assert [e.event for e in shard.history(violin, "alice")] == ["ADD", "DELETE"]
     assert [e.event for e in shard.history(lisbon, "alice")] == ["ADD", "UPDATE"]
+    assert shard.delete_all("bob") == 3  # every index forgets the user
+    assert shard.search("bob", "Alice plays the violin chess", 10) == [] and keyword.count("bob") == 0
 
 
 def test_full_arena_evicts_cold_facts_and_keeps_answers_whole(engine_factory, smollm2_dir, redis_server) -> None:
@@ -320,6 +327,9 @@ def test_a_restarted_shard_adopts_the_kv_it_recognises_and_encodes_only_the_rest
         assert stats["facts"] == 2 and stats["facts_with_kv"] == 1 and stats["pending_encodes"] == 1
         assert stats["entries_live"] == 2 and stats["entries_writing"] == 0  # prefix + the kept fact
         assert [job.key for job in second.take_encode_jobs()] == [late]
+        # the keyword index is rebuilt from Redis too, without the fact deleted meanwhile
+        assert sorted(second.retrieval.keyword.fact_ids("lea")) == sorted([kept, late])
+        assert [h.fact_id for h in second.search("lea", "skis", 3)][0] == late
         assert second.get(kept, "lea").kv == "live" and second.get(late, "lea").kv == "encoding"
         second.arena.close()
     finally:

@@ -1,8 +1,13 @@
-"""Evidence recall of LoCoMo questions over the conversations' observation facts, and exact
-CPU search latency for a 2,000-fact user.
+"""Evidence recall of LoCoMo questions over the conversations' observation facts, per retriever
+(memory.retrieval: dense, keyword, hybrid, + time, + turn context, + expansion, the shipped
+default; bench/retrieval/locomo_retrievers.py), and CPU search latency (exact search for a 2,000-fact
+user; the hybrid search and keyword rebuild for a 300- and a 2,000-fact user).
 
-    .venv/bin/python -m bench.retrieval.locomo_recall            # writes bench/results/locomo_recall.json
+    .venv/bin/python -m bench.retrieval.locomo_recall --tune     # writes bench/results/locomo_recall.json
     .venv/bin/python -m bench.retrieval.locomo_recall --model DIR --out FILE   # another sentence-transformers folder
+
+The top-level "recall" and "recall_by_category" are the dense retriever's (ExactIndex alone, as
+before issue 29); "retrievers" holds every retriever on all conversations and on 0-3 / 4-7.
 
 Memory: every conversation is one user; its memory is the conversation's `observation` facts
 (Mem0-style facts per session and speaker, each with the dialogue turn(s) it came from),
@@ -49,6 +54,7 @@ import torch
 from tqdm import tqdm
 
 from memory.embedder import Embedder
+from bench.retrieval.locomo_retrievers import evaluate_retrievers, oracle_bounds, print_tables, search_latency, tune
 from memory.index import ExactIndex
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +79,14 @@ def load_conversations(path: Path) -> tuple[list[dict], dict[str, int]]:
     quirks: dict[str, int] = defaultdict(int)
     convs = []
     for conv in data:
-        turns = {t["dia_id"] for key, val in conv["conversation"].items() if key.startswith("session_") and isinstance(val, list) for t in val}
+        # turn id -> its text as bench/ingest_locomo.py records it (text, then any shared image's caption)
+        turn_text = {
+            t["dia_id"]: t["text"] + (f" [shares {t['blip_caption']}]" if t.get("blip_caption") else "")
+            for key, val in conv["conversation"].items()
+            if key.startswith("session_") and isinstance(val, list)
+            for t in val
+        }
+        turns = set(turn_text)
         facts = []
         for session, by_speaker in sorted(conv.get("observation", {}).items(), key=lambda kv: int(re.findall(r"\d+", kv[0])[0])):
             if not isinstance(by_speaker, dict):
@@ -92,7 +105,13 @@ def load_conversations(path: Path) -> tuple[list[dict], dict[str, int]]:
                     src = [s for s in parse_dia_ids(raw) if s in turns]
                     if not src:
                         quirks["fact_without_valid_source"] += 1
-                    facts.append({"id": f"{conv['sample_id']}/{session}/{speaker}/{i}", "text": str(text), "src": set(src)})
+                    facts.append({
+                        "id": f"{conv['sample_id']}/{session}/{speaker}/{i}",
+                        "text": str(text),
+                        "src": set(src),
+                        "source_id": src[0] if src else None,  # the first cited turn, as bench/ingest_locomo.py stores it
+                        "session_time": conv["conversation"].get(f"session_{int(re.findall(r'[0-9]+', session)[0])}_date_time"),
+                    })  # fmt: skip
         questions = []
         for qi, qa in enumerate(conv["qa"]):
             if qa.get("category") == 5:
@@ -116,7 +135,7 @@ def load_conversations(path: Path) -> tuple[list[dict], dict[str, int]]:
                 quirks["question_without_valid_evidence_skipped"] += 1
                 continue
             questions.append({"n": qi, "text": qa["question"], "evidence": evidence, "category": int(qa["category"])})
-        convs.append({"id": conv["sample_id"], "facts": facts, "questions": questions})
+        convs.append({"id": conv["sample_id"], "facts": facts, "questions": questions, "turns": turn_text})
     return convs, dict(quirks)
 
 
@@ -142,6 +161,8 @@ def main() -> None:
     ap.add_argument("--latency-facts", type=int, default=2000)
     ap.add_argument("--latency-queries", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--tune", action="store_true", help="also run the grid the retrieval defaults were chosen from (conversations 0-3)")
+    ap.add_argument("--embeddings-cache", type=Path, default=None, help="npz to read the embeddings from / write them to")
     args = ap.parse_args()
 
     convs, quirks = load_conversations(args.locomo)
@@ -151,8 +172,15 @@ def main() -> None:
     facts = [f for c in convs for f in c["facts"]]
     questions = [(c["id"], q) for c in convs for q in c["questions"]]
     t0 = time.perf_counter()
-    fact_vecs = embed_all(embedder, [f["text"] for f in facts], "embedding facts")
-    q_vecs = embed_all(embedder, [q["text"] for _, q in questions], "embedding questions")
+    if args.embeddings_cache is not None and args.embeddings_cache.exists():
+        cached = np.load(args.embeddings_cache)
+        fact_vecs, q_vecs = cached["facts"], cached["questions"]
+        assert fact_vecs.shape[0] == len(facts) and q_vecs.shape[0] == len(questions), "stale --embeddings-cache"
+    else:
+        fact_vecs = embed_all(embedder, [f["text"] for f in facts], "embedding facts")
+        q_vecs = embed_all(embedder, [q["text"] for _, q in questions], "embedding questions")
+        if args.embeddings_cache is not None:
+            np.savez(args.embeddings_cache, facts=fact_vecs, questions=q_vecs)
     embed_s = time.perf_counter() - t0
 
     index = ExactIndex(embedder.dim, "cpu")
@@ -216,6 +244,12 @@ def main() -> None:
     latency["query_embedding_cpu"] = percentiles(ts)
     model_name = "all-MiniLM-L6-v2" if args.model is None else embedder.model_path.name
 
+    # ---- per retriever (memory.retrieval, the shard's code), per category, both halves
+    retrievers = evaluate_retrievers(convs, fact_vecs, q_vecs)
+    tuning = tune(convs, fact_vecs, q_vecs) if args.tune else None
+    oracle = oracle_bounds(convs, fact_vecs, q_vecs)
+    hybrid_latency = search_latency(convs, fact_vecs, q_vecs, args.latency_queries, args.warmup)
+
     result = {
         "command": "python -m bench.retrieval.locomo_recall " + " ".join(sys.argv[1:]),
         "data": str(args.locomo),
@@ -231,11 +265,18 @@ def main() -> None:
             "ceiling": "recall with all of the conversation's facts retrieved",
         },
         "data_quirks": quirks,
+        "recall_retriever": "dense (ExactIndex alone; per retriever: 'retrievers')",
         "recall": recall,
         "ceiling_recall": round(float(np.mean(ceiling)), 4),
         "recall_by_category": by_category,
         "category_names": {"1": "multi-hop", "2": "temporal", "3": "open-domain", "4": "single-hop"},
         "latency": latency,
+        "retrievers": retrievers,
+        "retrievers_protocol": "RetrievalSettings defaults chosen on conversations 0-3 (grid: 'tuning', from --tune); "
+        "conversations_4_7 took no part in the choice",
+        "hybrid_search_latency_cpu": hybrid_latency,
+        "oracle_rerank_recall@10": oracle,
+        **({"tuning": tuning} if tuning is not None else {}),
         "embedding": {"model_load_s": round(load_s, 2), "embed_facts_and_questions_s": round(embed_s, 2), "texts": len(facts) + len(questions)},
         "machine": {
             "python": platform.python_version(),
@@ -264,6 +305,18 @@ def main() -> None:
             print(f"| {threads} | {k} | {v['p50_ms']:.3f} | {v['p95_ms']:.3f} |")
     v = latency["query_embedding_cpu"]
     print(f"(query embedding, {model_name} on CPU: p50 {v['p50_ms']:.1f} ms)")
+    print_tables(retrievers)
+    print(f"\nCPU cost at k = 50, torch on 1 thread (p50 / p95 ms):")
+    for n in (300, 2000):
+        row = hybrid_latency[f"user_{n}_facts"]
+        print(f"  {n}-fact user: " + ", ".join(f"{name} {v['p50_ms']:.3f} / {v['p95_ms']:.3f}" for name, v in row.items() if isinstance(v, dict)))
+    print("\nupper bound, not a retriever (reads the answers): recall@10 with the shipped retriever's top-n perfectly re-ordered")
+    for name, row in oracle.items():
+        print(f"  {name}: {row}")
+    if tuning:
+        print("\ntuning grid (conversations 0-3), best recall@10 first:")
+        for row in sorted(tuning, key=lambda r: -r["recall@10"])[:10]:
+            print(f"  {row['recall@10']:.3f} (multi-hop {row['multi_hop_recall@10']:.3f}) {row['settings']}")
     print(f"data quirks: {quirks}")
     print(f"wrote {args.out}")
 

@@ -1,0 +1,219 @@
+"""LoCoMo evidence recall per retriever (dense, keyword, hybrid, + time, + turn context, + expansion),
+through the shard's own retrieval code (memory.retrieval.Retriever over an ExactIndex), and the CPU
+cost of a hybrid search. bench/retrieval/locomo_recall.py calls it; see docs/retrieval.md.
+
+Every retriever is a memory.retrieval.RetrievalSettings: the defaults of that class (what the
+shard ships) with the fields of RETRIEVERS[name] overridden. Each conversation is one user of
+one Retriever; each fact is tracked as a FactRecord as the shard tracks it (source_id = its first
+cited turn, session_time = its session's date), and the source turn's text comes from the
+conversation (what add_turns stored, as bench/ingest_locomo.py records it).
+
+Protocol: the few global settings (rrf_k, keyword_weight, time_keyword_boost, expansion) were
+chosen on conversations 0-3 (`--tune` prints that grid and writes it under "tuning"); results are
+reported on all eight and on 4-7 alone, which took no part in the choice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from memory.fact_store import FactRecord
+from memory.index import ExactIndex
+from memory.index.keyword import KeywordIndex
+from memory.retrieval import Retriever, RetrievalSettings
+
+KS = (5, 10, 20, 50)
+SUBSETS = {"all": range(0, 8), "conversations_0_3": range(0, 4), "conversations_4_7": range(4, 8)}
+CATEGORIES = {"1": "multi-hop", "2": "temporal", "3": "open-domain", "4": "single-hop"}
+_PLAIN = {"session_dates": False, "turn_context": False, "time_keyword_boost": 1.0, "expand": "none"}
+RETRIEVERS: dict[str, dict[str, Any]] = {
+    "dense": {"retriever": "dense"},
+    "keyword": {"retriever": "keyword", **_PLAIN},
+    "hybrid": {"retriever": "hybrid", **_PLAIN},
+    "+time": {"retriever": "hybrid", "turn_context": False, "expand": "none"},
+    "+turn context": {"retriever": "hybrid", "expand": "none"},
+    "+expansion": {"retriever": "hybrid", "expand": "session", "expand_top": 1, "expand_per_hit": 2},  # the best expansion on 0-3
+    "shipped default": {},
+}
+
+
+def build(convs: list[dict], fact_vecs: np.ndarray, settings: RetrievalSettings) -> Retriever:
+    """One ExactIndex and one Retriever holding every conversation (one user each)."""
+    index = ExactIndex(fact_vecs.shape[1], "cpu")
+    facts = [f for c in convs for f in c["facts"]]
+    index.add([f["id"] for f in facts], [c["id"] for c in convs for _ in c["facts"]], fact_vecs)
+    turns = {c["id"]: c["turns"] for c in convs}
+    retriever = Retriever(settings, index, context_of=lambda user, ids: [turns[user].get(i) for i in ids])
+    now = time.time()
+    retriever.track(
+        FactRecord(fact_id=f["id"], user_id=c["id"], text=f["text"], source_id=f["source_id"], session_time=f["session_time"],
+                   created_at=now, updated_at=now)
+        for c in convs for f in c["facts"]
+    )  # fmt: skip
+    retriever.refresh()
+    return retriever
+
+
+def recall_rows(
+    convs: list[dict], q_vecs: np.ndarray, retriever: Retriever, subset: Sequence[int], desc: str | None = None
+) -> list[tuple[int, list[float]]]:
+    """(category, recall at each of KS) per question of the conversations in `subset`."""
+    offsets = np.cumsum([0] + [len(c["questions"]) for c in convs])
+    rows = []
+    todo = [(ci, qi) for ci in subset for qi in range(len(convs[ci]["questions"]))]
+    for ci, qi in tqdm(todo, desc=desc, unit="q", disable=desc is None, leave=False):
+        conv, q = convs[ci], convs[ci]["questions"][qi]
+        src = {f["id"]: f["src"] for f in conv["facts"]}
+        hits = retriever.search(conv["id"], q["text"], q_vecs[offsets[ci] + qi], max(KS))
+        ev = q["evidence"]
+        row = []
+        for k in KS:
+            covered = set().union(*(src[h.fact_id] for h in hits[:k])) if hits else set()
+            row.append(len(ev & covered) / len(ev))
+        rows.append((q["category"], row))
+    return rows
+
+
+def summarise(rows: list[tuple[int, list[float]]]) -> dict[str, Any]:
+    a = np.array([r for _, r in rows])
+    out: dict[str, Any] = {"questions": len(rows)}
+    out.update({f"recall@{k}": round(float(a[:, i].mean()), 4) for i, k in enumerate(KS)})
+    out.update({f"hit@{k}": round(float((a[:, i] > 0).mean()), 4) for i, k in enumerate(KS)})
+    by_cat: dict[str, Any] = {}
+    for cat in sorted({c for c, _ in rows}):
+        sel = np.array([r for c, r in rows if c == cat])
+        by_cat[str(cat)] = {"questions": len(sel), **{f"recall@{k}": round(float(sel[:, i].mean()), 4) for i, k in enumerate(KS)}}
+    out["by_category"] = by_cat
+    return out
+
+
+def evaluate_retrievers(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray) -> dict[str, Any]:
+    """RETRIEVERS on all eight conversations and on each half."""
+    out: dict[str, Any] = {}
+    for name, fields in RETRIEVERS.items():
+        settings = RetrievalSettings(**fields)
+        retriever = build(convs, fact_vecs, settings)
+        rows = recall_rows(convs, q_vecs, retriever, range(len(convs)), desc=f"recall: {name}")
+        per_conv = {ci: [] for ci in range(len(convs))}
+        flat = iter(rows)
+        for ci in range(len(convs)):
+            per_conv[ci] = [next(flat) for _ in convs[ci]["questions"]]
+        out[name] = {"settings": settings.model_dump()}
+        for subset, idx in SUBSETS.items():
+            sel = [r for ci in idx if ci < len(convs) for r in per_conv[ci]]
+            if sel:
+                out[name][subset] = summarise(sel)
+    return out
+
+
+def oracle_bounds(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray, pools: Sequence[int] = (10, 20, 50, 100)) -> dict[str, Any]:
+    """Not a retriever (it reads the answers): recall@10 if the shipped retriever's top-`pool` facts
+    were perfectly re-ordered (those citing an evidence turn first). What any re-ranking of that
+    candidate list could reach at k = 10; pool 10 = the shipped retriever itself."""
+    retriever = build(convs, fact_vecs, RetrievalSettings(candidates=max(pools)))
+    offsets = np.cumsum([0] + [len(c["questions"]) for c in convs])
+    rows: dict[int, list[tuple[int, list[float]]]] = {p: [] for p in pools}
+    for ci, conv in enumerate(convs):
+        src = {f["id"]: f["src"] for f in conv["facts"]}
+        for qi, q in enumerate(conv["questions"]):
+            ids = [h.fact_id for h in retriever.search(conv["id"], q["text"], q_vecs[offsets[ci] + qi], max(pools))]
+            for p in pools:
+                pool = ids[:p]
+                ordered = [f for f in pool if src[f] & q["evidence"]] + [f for f in pool if not src[f] & q["evidence"]]
+                covered = set().union(*(src[f] for f in ordered[:10])) if ordered else set()
+                rows[p].append((q["category"], [len(q["evidence"] & covered) / len(q["evidence"])] * len(KS)))
+    out = {}
+    for p in pools:
+        summary = summarise(rows[p])
+        out[f"top_{p}"] = {"recall@10": summary["recall@10"], **{f"{CATEGORIES[c]}_recall@10": v["recall@10"] for c, v in summary["by_category"].items()}}
+    return out
+
+
+def tune(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray) -> list[dict[str, Any]]:
+    """The grid the shipped settings were chosen from: recall@10 on conversations 0-3 only."""
+    grid: list[dict[str, Any]] = []
+    for rrf_k, weight in itertools.product((5, 10, 20, 60), (0.5, 0.75, 1.0, 1.5)):
+        grid.append({"rrf_k": rrf_k, "keyword_weight": weight, "expand": "none", "time_keyword_boost": 1.0})
+    for boost in (1.5, 2.0, 3.0):
+        grid.append({"time_keyword_boost": boost, "expand": "none"})
+    for mode, top, per in itertools.product(("turn", "session"), (1, 2, 3), (1, 2)):
+        grid.append({"expand": mode, "expand_top": top, "expand_per_hit": per})
+    out = []
+    for fields in tqdm(grid, desc="tuning on conversations 0-3", unit="setting"):
+        summary = summarise(recall_rows(convs, q_vecs, build(convs, fact_vecs, RetrievalSettings(**fields)), range(4)))
+        out.append({"settings": fields, "recall@10": summary["recall@10"], "multi_hop_recall@10": summary["by_category"]["1"]["recall@10"]})
+    return out
+
+
+def search_latency(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray, queries: int, warmup: int) -> dict[str, Any]:
+    """CPU cost at k = 50 (torch on one thread) for a 300- and a 2,000-fact user: the dense search
+    alone, the keyword search alone, the whole hybrid search (dense + keyword + fusion), and the
+    keyword index's rebuild after a write."""
+    facts = [f for c in convs for f in c["facts"]]
+    texts = [q["text"] for c in convs for q in c["questions"]]
+    threads0 = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"k": 50, "torch_threads": 1, "queries": queries, "warmup": warmup}
+    try:
+        for n in (300, 2000):
+            turns: dict[str, str] = {}
+            for c in convs:  # turn ids repeat across conversations: the first one's text stands in
+                for turn_id, text in c["turns"].items():
+                    turns.setdefault(turn_id, text)
+            user = [{"id": "latency-user", "facts": facts[:n], "turns": turns, "questions": []}]
+            retriever = build(user, fact_vecs[:n], RetrievalSettings())
+            keyword: KeywordIndex = retriever.keyword
+            qs = [(texts[i % len(texts)], q_vecs[i % len(texts)]) for i in range(queries)]
+            timed: dict[str, list[float]] = defaultdict(list)
+            calls = {
+                "dense_search": lambda t, v: retriever.index.search("latency-user", v, 50),
+                "keyword_search": lambda t, v: keyword.search("latency-user", t, 50),
+                "hybrid_search": lambda t, v: retriever.search("latency-user", t, v, 50),
+            }
+            for name, call in calls.items():
+                for t, v in qs[:warmup]:
+                    call(t, v)
+                for t, v in qs:
+                    start = time.perf_counter()
+                    call(t, v)
+                    timed[name].append(time.perf_counter() - start)
+            rebuild = []
+            for i in range(20):
+                f = facts[i]
+                keyword.add([f["id"]], ["latency-user"], [f["text"]])
+                start = time.perf_counter()
+                keyword.refresh()
+                rebuild.append(time.perf_counter() - start)
+            row = {name: _ms(ts) for name, ts in timed.items()}
+            row["hybrid_minus_dense_p50_ms"] = round(row["hybrid_search"]["p50_ms"] - row["dense_search"]["p50_ms"], 4)
+            row["keyword_rebuild"] = _ms(rebuild)
+            out[f"user_{n}_facts"] = row
+    finally:
+        torch.set_num_threads(threads0)
+    return out
+
+
+def _ms(ts: list[float]) -> dict[str, float]:
+    a = np.asarray(ts) * 1e3
+    return {"p50_ms": round(float(np.percentile(a, 50)), 4), "p95_ms": round(float(np.percentile(a, 95)), 4), "n": len(ts)}
+
+
+def print_tables(results: dict[str, Any]) -> None:
+    for subset in SUBSETS:
+        print(f"\nevidence recall, {subset.replace('_', ' ')}")
+        print("| retriever | " + " | ".join(f"@{k}" for k in KS) + " | " + " | ".join(f"{n} @10" for n in CATEGORIES.values()) + " |")
+        print("|---|" + "---|" * (len(KS) + len(CATEGORIES)))
+        for name, res in results.items():
+            if subset not in res:
+                continue
+            r = res[subset]
+            cats = " | ".join(f"{r['by_category'][c]['recall@10']:.3f}" if c in r["by_category"] else "-" for c in CATEGORIES)
+            print(f"| {name} | " + " | ".join(f"{r[f'recall@{k}']:.3f}" for k in KS) + f" | {cats} |")
