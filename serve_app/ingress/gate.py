@@ -79,7 +79,7 @@ class RequestGate:
             await self.app(scope, receive, send)
             return
         ingress = self.ingress()
-        state = scope.setdefault("state", {})
+        state = scope["state"] = dict(scope.get("state") or {})  # this request's own (a server may share one)
         if _route_path(scope) not in OPEN_PATHS:
             started = time.perf_counter()
             try:

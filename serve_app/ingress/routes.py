@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 api = FastAPI(title="kv-memory-serve", description="LLM serving with per-user KV-injected memory.")
 install_error_handlers(api)  # OpenAI-shaped 4xx/5xx bodies, documented in the OpenAPI schema
+
+
 def serving_ingress() -> "ChatRoutes":
     """The ChatRoutes this Serve replica runs (ChatAPI, or a `routing: direct` LLM replica): the
     RequestGate's authenticator and body limit."""
