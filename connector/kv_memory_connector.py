@@ -140,7 +140,7 @@ class KVMemoryConnector(KVConnectorBase_V1):
         self._worker.capture(metadata)
 
     # ---------------------------------------------------------------- worker introspection
-    # (reachable with LLM.collective_rpc, e.g. from a benchmark: see bench/engine_h200.py)
+    # (reachable with LLM.collective_rpc, e.g. from a benchmark: see bench/engine/engine_h200.py)
     def worker_stats(self) -> dict[str, Any]:
         assert self._worker is not None
         return self._worker.stats()

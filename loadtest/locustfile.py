@@ -131,7 +131,7 @@ class ChatUser(HttpUser):
             self.client.headers["Authorization"] = f"Bearer {API_KEY}"
         self.user_id = random.choice(USERS)
         # Serve's session header: with `routing: direct` the proxy sends the request straight to the
-        # replica of the user's shard (serve_app.shard_router); the ChatAPI router ignores it
+        # replica of the user's shard (serve_app.ingress.shard_router); the ChatAPI router ignores it
         self.client.headers["x-session-id"] = self.user_id
         if FACTS_PER_USER > 0:
             body = {"user_id": self.user_id, "facts": memory_facts(self.user_id, FACTS_PER_USER)}

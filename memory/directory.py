@@ -15,14 +15,10 @@ from typing import Any, Awaitable, Callable, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from memory.records import is_fact_id
+from memory.records import StoreUnavailable, is_fact_id
 from memory.redis_keys import RedisKeys, stable_shard
 
 T = TypeVar("T")
-
-
-class StoreUnavailable(ConnectionError):
-    """Redis did not answer in time or refused the call: the caller answers 503, not 500."""
 
 
 def redis_unavailable(what: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:

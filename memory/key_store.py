@@ -14,7 +14,7 @@ kept working; `revoke_settings_copies` removes those copies (the label is reserv
 old code's copies carry it).
 
 Reads and writes use redis.asyncio with short socket timeouts; a Redis error surfaces as
-memory.directory.StoreUnavailable, so callers need not import redis-py.
+memory.records.StoreUnavailable, so callers need not import redis-py.
 """
 
 from __future__ import annotations

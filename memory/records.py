@@ -28,6 +28,11 @@ def is_fact_id(text: str) -> bool:
     return _FACT_ID.fullmatch(text) is not None
 
 
+class StoreUnavailable(ConnectionError):
+    """Redis did not answer in time or refused the call: the HTTP answer is 503 with Retry-After, not 500
+    (raised by memory.directory and memory.key_store for the ingress, and by the shard actor for its calls)."""
+
+
 class UnknownFact(KeyError):
     """No live fact with this id (for this user)."""
 

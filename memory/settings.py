@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from memory.prompting import DEFAULT_INSTRUCTION
 from memory.index import IndexSettings
@@ -12,6 +12,8 @@ from memory.index import IndexSettings
 
 class ArenaCapacity(BaseModel):
     """Bounds of one shard's fact KV arena (host tier; the GPU tier holds a subset of its pages)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     page_tokens: int = Field(16, gt=0, description="Tokens per arena page (allocation granularity).")
     num_pages: int = Field(4096, gt=0, description="Host-tier pages: the most fact tokens the shard keeps KV for.")
@@ -24,6 +26,8 @@ class ArenaCapacity(BaseModel):
 
 class MemorySettings(BaseModel):
     """How each shard stores, encodes and retrieves a user's memory."""
+
+    model_config = ConfigDict(extra="forbid")
 
     window_turns: int = Field(
         0,
@@ -83,6 +87,12 @@ class MemorySettings(BaseModel):
         "back from the conversation to the fact list. Changing it changes only facts encoded afterwards.",
     )
     redis_prefix: str = Field("kvmem", description="Prefix of every Redis key this service writes.")
+    redis_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="Most seconds one Redis call of the shard waits (socket and connect timeout): while Redis is away "
+        "a write fails fast with 503 and Retry-After, instead of holding the shard's later calls behind it.",
+    )
     arena_dir: str = Field("/dev/shm", description="Folder for the shared-memory KV arenas (one per shard).")
     arena: ArenaCapacity = Field(default_factory=ArenaCapacity)
     index: IndexSettings = Field(default_factory=IndexSettings)

@@ -81,7 +81,7 @@ class MemoryShard:
 
         self.shard_id = shard_id
         self.settings = settings
-        self.store = FactStore.from_url(redis_url, settings.redis_prefix)
+        self.store = FactStore.from_url(redis_url, settings.redis_prefix, timeout_s=settings.redis_timeout_s)
         # the arena first: a restarting replica may open it (engine start) while the rest loads
         geometry = arena_geometry_for(model_dir, kv_dtype, **settings.arena.model_dump(exclude={"device_pages"}))
         self._arena_path = settings.arena_path(namespace, shard_id)

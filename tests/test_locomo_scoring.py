@@ -1,5 +1,5 @@
-"""LoCoMo scoring (bench/locomo_scoring.py) on hand-computed cases, and the result bookkeeping of
-bench/locomo_qa.py (runs keyed by settings, the headline run). Pure: no service, no engine.
+"""LoCoMo scoring (bench/quality/locomo_scoring.py) on hand-computed cases, and the result bookkeeping of
+bench/quality/locomo_qa.py (runs keyed by settings, the headline run). Pure: no service, no engine.
 
 The F1 cases use nltk's PorterStemmer (in the `test` extra, so they run in CI). Each expected
 value below is worked out in the comment next to it.
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.locomo_qa import merge_run
-from bench.locomo_scoring import (
+from bench.quality.locomo_qa import merge_run
+from bench.quality.locomo_scoring import (
     adversarial_score,
     category_means,
     evidence_ids,

@@ -60,7 +60,7 @@ def test_extraction_answers_are_parsed_and_capped() -> None:
 
 
 def test_locomo_fact_sources_become_one_dialogue_id() -> None:
-    from bench.ingest_locomo import observation_facts
+    from bench.ingest.ingest_locomo import observation_facts
 
     sample = {
         "conversation": {"session_1_date_time": "8 May 2023", "session_2_date_time": "9 May 2023"},

@@ -227,3 +227,42 @@ def test_concurrent_users_on_two_shards_only_ever_see_their_own_memory(served_ap
     client, keys = redis.Redis.from_url(redis_server.url), RedisKeys("kvmem-e2e")  # the prefix serve_harness gives "e2e"
     placements = [client.get(keys.user(u, "shard")) for u in users]
     assert None not in placements and {int(p) for p in placements} == {0, 1}  # both shards served some of them
+
+
+def test_health_answers_within_a_second_while_16_long_chats_are_planned(served_app: str) -> None:
+    """16 concurrent chats of 400,000 characters each (the request limit) keep the shard busy
+    tokenizing them for seconds; every /health answer meanwhile comes within 1 s (issue 26)."""
+    import concurrent.futures
+    import threading
+
+    part = ("The quick brown fox jumps over the lazy dog near the river bank. " * 1600)[:99_000]  # the per-message limit is 100,000
+    roles = ["user", "assistant", "user", "assistant"]
+    messages = [{"role": role, "content": part} for role in roles] + [{"role": "user", "content": "What did the fox do?"}]
+    body = {"user": "long-talker", "messages": messages, "max_tokens": 4, "memory": {"mode": "kv"}}
+    done = threading.Event()
+    health_times: list[float] = []
+    statuses: list[int] = []
+
+    def poll_health() -> None:
+        while not done.is_set():
+            started = time.monotonic()
+            response = requests.get(f"{served_app}/health", timeout=30)
+            health_times.append(time.monotonic() - started)
+            statuses.append(response.status_code)
+            time.sleep(0.1)
+
+    def chat(_: int) -> int:
+        return requests.post(f"{served_app}/v1/chat/completions", json=body, timeout=600).status_code
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            chat_statuses = list(pool.map(chat, range(16)))
+    finally:
+        done.set()
+        poller.join()
+    assert set(chat_statuses) == {400}  # far past the 1,024-token context: planned by the shard, then refused
+    assert len(health_times) >= 5, health_times  # the chats kept the service busy for a while
+    assert max(health_times) <= 1.0, sorted(health_times)[-5:]
+    assert set(statuses) == {200}, statuses

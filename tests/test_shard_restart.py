@@ -16,7 +16,7 @@ from memory.chat_query import ChatQuery
 from memory.records import NewFact, Turn
 from actors.shard_actor import start_shard_actor
 from actors.shard_client import ShardClient
-from bench.ingest_locomo import ingest
+from bench.ingest.ingest_locomo import ingest
 from connector.engine_config import kv_transfer_config
 from tests.test_memory_shard import run_plan, shard_settings
 

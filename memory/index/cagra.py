@@ -16,7 +16,7 @@ New rows are searched exactly until `extend_min_vectors` of them are pending, th
 inserted with cagra.extend.
 
 Needs numpy, torch and pydantic; cuVS is imported when a CagraIndex is made. The GPU benchmark
-(bench/cagra_h200.py) needs nothing else of the project.
+(bench/retrieval/cagra_h200.py) needs nothing else of the project.
 """
 
 from __future__ import annotations

@@ -19,15 +19,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from memory.directory import StoreUnavailable
 from memory.key_store import SETTINGS_COPY_LABEL, KeyRecord, KeyStore, Principal
+from memory.records import StoreUnavailable
 from serve_app.protocol import MAX_ID_CHARS
 from serve_app.settings import AuthSettings
 

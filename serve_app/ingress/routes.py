@@ -39,8 +39,8 @@ from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from memory.directory import StoreUnavailable, UserDirectory
-from memory.records import is_fact_id
+from memory.directory import UserDirectory
+from memory.records import StoreUnavailable, is_fact_id
 from serve_app.ingress.auth import Authenticator, KeyRecord, KeyStore, NewKeyRequest, Principal, caller
 from serve_app.ingress.errors import install_error_handlers
 from serve_app.ingress.gate import RequestGate
@@ -72,7 +72,7 @@ def serving_ingress() -> "ChatRoutes":
 api.add_middleware(RequestGate, ingress=serving_ingress)
 
 
-def _http_error(exc: BaseException) -> HTTPException | None:
+def http_error(exc: BaseException) -> HTTPException | None:
     """The HTTP error for a replica's exception (Ray wraps it; report the original message)."""
     cause = getattr(exc, "cause", None) or exc
     message = str(cause.args[0] if cause.args else cause)
@@ -82,6 +82,10 @@ def _http_error(exc: BaseException) -> HTTPException | None:
         return HTTPException(status_code=404, detail=message)
     if type(cause).__name__ in _ENGINE_DOWN:  # by name: the ingress does not import vLLM
         return HTTPException(503, f"the engine is restarting, try again shortly ({message})", {"Retry-After": "5"})
+    if isinstance(cause, StoreUnavailable):  # Redis away: nothing was acknowledged, try again
+        return HTTPException(503, message, {"Retry-After": "5"})
+    if isinstance(cause, TimeoutError):  # the memory shard did not answer in time (busy, or restarting)
+        return HTTPException(503, f"the memory shard is busy or restarting, try again shortly ({message})", {"Retry-After": "5"})
     return None
 
 
@@ -148,9 +152,10 @@ class ChatRoutes:
         try:
             return await asyncio.wait_for(call, self.settings.replica_call_timeout_s)
         except asyncio.TimeoutError as exc:
-            raise HTTPException(504, f"no answer within {self.settings.replica_call_timeout_s:.0f} s") from exc
+            timeout = self.settings.replica_call_timeout_s  # busy or restarting: a client should try again, as for any 503
+            raise HTTPException(503, f"the replica gave no answer within {timeout:.0f} s", {"Retry-After": "5"}) from exc
         except Exception as exc:
-            error = _http_error(exc)
+            error = http_error(exc)
             if error is not None:
                 raise error from exc
             raise
@@ -284,7 +289,17 @@ class ChatRoutes:
     @api.get("/v1/shards")
     async def shard_stats(self, principal: Principal = Depends(caller)) -> dict[str, Any]:
         self.auth.require_admin(principal)
-        return {"results": [await self._answer(self._replica(shard).stats.remote()) for shard in range(self.num_shards)]}
+        limit = self.settings.status_timeout_s + 0.1  # the replica answers from its last statistics after status_timeout_s
+
+        async def one(shard: int) -> dict[str, Any]:
+            try:
+                return await asyncio.wait_for(self._replica(shard).stats.remote(), limit)
+            except asyncio.TimeoutError:
+                return {"shard": shard, "unavailable": f"the replica did not answer within {limit:g} s (busy, or restarting)"}
+            except Exception as exc:  # noqa: BLE001 - a replica being replaced: reported, not a 500
+                return {"shard": shard, "unavailable": f"{type(exc).__name__}: {exc}"[:300]}
+
+        return {"results": list(await asyncio.gather(*(one(shard) for shard in range(self.num_shards))))}
 
     # ------------------------------------------------------------------ API keys (admin)
     @api.post("/v1/admin/keys")
@@ -315,21 +330,29 @@ class ChatRoutes:
 
     @api.get("/health")
     async def service_health(self) -> Any:
-        """Redis, and each replica's engine and memory shard; 503 naming whatever is not ok.
+        """Redis, and each replica's engine and memory shard; 503 naming whatever is not ok. Answers
+        within about status_timeout_s whatever they are doing: a part that has not answered by then
+        is reported as such.
 
         {"status": "ok", "redis": "ok", "replicas": {"0": {"engine": "ok", "shard": "ok"}}}"""
         from fastapi.responses import JSONResponse
 
+        limit = self.settings.status_timeout_s
+
         async def redis_status() -> str:
             try:
-                await asyncio.wait_for(self.directory.ping(), 2)
+                await asyncio.wait_for(self.directory.ping(), limit)
                 return "ok"
+            except asyncio.TimeoutError:
+                return f"no answer within {limit:g} s"
             except Exception as exc:  # reported, never raised
                 return f"unreachable: {type(exc).__name__}: {exc}"[:300]
 
         async def replica_status(replica: Any) -> dict[str, str]:
             try:
-                return await asyncio.wait_for(replica.health.remote(), self.settings.health_timeout_s + 2)
+                return await asyncio.wait_for(replica.health.remote(), limit)
+            except asyncio.TimeoutError:
+                return {"replica": f"no answer within {limit:g} s (busy, or restarting)"}
             except Exception as exc:
                 return {"replica": f"unavailable: {type(exc).__name__}: {exc}"[:300]}
 

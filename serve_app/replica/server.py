@@ -92,6 +92,8 @@ class MemoryLLM:
         self.watchdog = ShardWatchdog(self.shard, settings.health_timeout_s, settings.shard_restart_after_s)
         self._driver_task: asyncio.Task | None = None
         self._stats_exported_at = 0.0
+        self._last_stats: dict[str, Any] | None = None  # the shard's last statistics (stats() when it is busy)
+        self._stats_at = 0.0
 
         self.ttft = Histogram("kvmem_ttft_seconds", description="Engine time to first token.", boundaries=_TTFT_BOUNDARIES_S, tag_keys=("mode",))
         self.stage_seconds = stage_histogram()
@@ -315,12 +317,24 @@ class MemoryLLM:
             return await self.shard.history(fact_id, user_id)
 
     async def stats(self) -> dict[str, Any]:
+        """The shard's statistics, waiting at most status_timeout_s for them; a shard busy longer gets
+        its last known statistics, marked with their age (`stale_s`) and why."""
         self._ensure_driver()
-        result = await self.shard.stats()
-        self._export_stats(result)
+        try:
+            result = await asyncio.wait_for(self.shard.stats(), self.settings.status_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - busy, restarting or dead: report, never hang
+            age = round(time.monotonic() - self._stats_at, 1) if self._last_stats else None
+            result = {**(self._last_stats or {"shard": self.shard_id}), "stale_s": age,
+                      "unavailable": f"{type(exc).__name__}: {exc}"[:300] or "no answer within status_timeout_s"}
+        else:
+            self._remember_stats(result)
         channel = self.shard.plan_channel
         # how this replica's chat plans travel: the shard's plan channel, and how many fell back to Ray
         return {**result, "plan_channel": channel.address if channel else None, "plans_over_ray": self.shard.plans_over_ray}
+
+    def _remember_stats(self, stats: dict[str, Any]) -> None:
+        self._last_stats, self._stats_at = stats, time.monotonic()
+        self._export_stats(stats)
 
     def _export_stats(self, stats: dict[str, Any]) -> None:
         shard = str(self.shard_id)
@@ -345,15 +359,22 @@ class MemoryLLM:
         if time.monotonic() - self._stats_exported_at > 10:  # metrics, not health: at most every 10 s
             self._stats_exported_at = time.monotonic()
             try:
-                self._export_stats(await asyncio.wait_for(self.shard.stats(), timeout=self.settings.health_timeout_s))
+                self._remember_stats(await asyncio.wait_for(self.shard.stats(), timeout=self.settings.health_timeout_s))
             except Exception as exc:  # a restarting shard is not an unhealthy engine
                 logger.warning("shard %d stats unavailable: %s", self.shard_id, exc)
 
     async def health(self) -> dict[str, str]:
-        """{"engine": "ok" | "restarting: …" | "dead: …", "shard": "ok" | "…"}; answers within
-        about health_timeout_s whatever the engine or shard are doing."""
+        """{"engine": "ok" | "restarting: …" | "dead: …", "shard": "ok" | "…"}, at once: the engine's
+        state is the keeper's, the shard's is the last probe's (Serve's health check probes it every
+        2 s, serve_app.replica.shard_watchdog), so this never waits behind a busy shard."""
         self._ensure_driver()
-        return {"engine": self.keeper.status(), "shard": await self.watchdog.probe()}
+        shard = self.watchdog.report()
+        if self.watchdog.probed_at is None:  # no health check has probed it yet: one probe, bounded
+            try:
+                shard = await asyncio.wait_for(self.watchdog.probe(), self.settings.status_timeout_s)
+            except asyncio.TimeoutError:
+                shard = f"starting: the shard has not answered within {self.settings.status_timeout_s:g} s"
+        return {"engine": self.keeper.status(), "shard": shard}
 
     def __del__(self) -> None:
         keeper = getattr(self, "keeper", None)

