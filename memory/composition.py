@@ -4,11 +4,15 @@ A served prompt is [instruction prefix][memory_1 ... memory_k][query]: every mem
 sits contiguously after the previous one, the query right after the last. The same token ids
 serve both paths: prompt injection (send them, no parameters) and KV injection (send them
 with the parameters returned here, so the connector supplies the memory tokens' KV).
+
+Every prompt carries a prefix-cache salt: per user (user_namespace), per API key for a request
+that names no user (key_namespace); the two kinds of namespace are disjoint by construction.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -36,11 +40,34 @@ class ComposedPrompt:
         return self.params.to_kv_transfer_params()
 
 
+def user_namespace(prefix: str, user_id: str) -> str:
+    """The salt namespace of user `user_id`'s requests in the deployment whose Redis prefix is
+    `prefix`. Kind, prefix and name are JSON-encoded as one list, so no user id (however it is
+    spelt: `key:key_X`, `a:b`, with quotes or `|`) names another user's or a key's namespace."""
+    return json.dumps(["user", prefix, user_id])
+
+
+def key_namespace(prefix: str, key_id: str) -> str:
+    """The salt namespace of an API key's requests that name no user (see user_namespace)."""
+    return json.dumps(["key", prefix, key_id])
+
+
 def scope_cache_salt(namespace: str) -> str:
     """Prefix-cache salt of a request that injects nothing (prompt or no memory, encodes):
     prefilled blocks are shared only among requests of the same scope (a user, or a key), so a
-    prefix-cache hit, or the `cached_tokens` it reports, never reveals another user's text."""
+    prefix-cache hit, or the `cached_tokens` it reports, never reveals another user's text.
+    `namespace`: user_namespace or key_namespace."""
     return f"kvmem-s-{hashlib.sha256(namespace.encode()).hexdigest()[:32]}"
+
+
+def user_salt(prefix: str, user_id: str) -> str:
+    """The prefix-cache salt of user `user_id`'s requests that inject nothing."""
+    return scope_cache_salt(user_namespace(prefix, user_id))
+
+
+def key_salt(prefix: str, key_id: str) -> str:
+    """The prefix-cache salt of key `key_id`'s requests that name no user (never a user's salt)."""
+    return scope_cache_salt(key_namespace(prefix, key_id))
 
 
 def memory_cache_salt(namespace: str, segments: Sequence[StoredSegment]) -> str:
@@ -48,11 +75,11 @@ def memory_cache_salt(namespace: str, segments: Sequence[StoredSegment]) -> str:
 
     Injected KV differs from a prefill of the same token ids (each fact was encoded without
     the others), so injected blocks may only be reused by requests injecting the same entries
-    (same ids, same generations) for the same namespace (user and memory version).
+    (same ids, same generations) for the same namespace (user_namespace). Namespace and entries
+    are hashed as one JSON document, so no namespace can pass for another plus some entries.
     """
-    digest = hashlib.sha256(namespace.encode())
-    for segment in segments:
-        digest.update(f"|{segment.ref.entry_id}:{segment.ref.generation}".encode())
+    entries = [[segment.ref.entry_id, segment.ref.generation] for segment in segments]
+    digest = hashlib.sha256(json.dumps([namespace, entries]).encode())
     return f"kvmem-{digest.hexdigest()[:32]}"
 
 

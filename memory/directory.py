@@ -13,9 +13,9 @@ import json
 from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
-from memory.records import StoreUnavailable
+from memory.records import StoreUnavailable, is_fact_id
 from memory.redis_keys import RedisKeys, stable_shard
 
 T = TypeVar("T")
@@ -74,10 +74,19 @@ class UserDirectory:
 
     @redis_unavailable("memory store")
     async def owner_of_fact(self, fact_id: str) -> str | None:
+        """The fact's owner, or None for anything that is not a fact: an id of another shape is
+        not looked up, and a key of another type (WRONGTYPE) is no fact either, never an error."""
+        if not is_fact_id(fact_id):
+            return None
         cached = self._owners.get(fact_id)
         if cached is not None:
             return cached
-        raw = await self.r.hget(self.keys.fact(fact_id), "user_id")
+        try:
+            raw = await self.r.hget(self.keys.fact(fact_id), "user_id")
+        except ResponseError as exc:
+            if str(exc).startswith("WRONGTYPE"):
+                return None
+            raise
         if raw is None:
             return None
         owner = json.loads(raw)

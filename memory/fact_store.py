@@ -13,13 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-import uuid
 from typing import Sequence
 
 import numpy as np
 import redis
 
-from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact
+from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact, new_fact_id
 from memory.redis_keys import RedisKeys, stable_shard
 
 
@@ -114,7 +113,7 @@ class FactStore:
         key = _dedupe_key(fact.text, fact.source_id)
         now = time.time()
         record = FactRecord(
-            fact_id=uuid.uuid4().hex,
+            fact_id=new_fact_id(),
             user_id=user_id,
             text=fact.text.strip(),
             source_id=fact.source_id,

@@ -6,6 +6,13 @@ request be checked with one Redis read (cached for `cache_ttl_s`).
     P:apikey:{sha256}    hash: key_id, label, users (JSON list, or "*" for admin), created_at
     P:apikeys            hash: key_id -> sha256 (listing and revocation)
 
+A key is either an admin key (`admin=True`: every user) or bound to a non-empty list of user ids;
+nothing else is minted ("no users" never means admin). The settings admin key
+(`auth.admin_key`) is never stored here: serve_app.ingress.auth compares it. Before that, each
+ingress stored its hash at start under the label "admin (settings)", so a rotated Secret's old key
+kept working; `revoke_settings_copies` removes those copies (the label is reserved, so only the
+old code's copies carry it).
+
 Reads and writes use redis.asyncio with short socket timeouts; a Redis error surfaces as
 memory.records.StoreUnavailable, so callers need not import redis-py.
 """
@@ -18,13 +25,15 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Sequence
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 from memory.directory import redis_unavailable
 
 KEY_PREFIX = "kvm-"
+SETTINGS_COPY_LABEL = "admin (settings)"  # what the old code stored the settings admin key as; reserved
 
 
 @dataclass(frozen=True)
@@ -43,8 +52,9 @@ class Principal:
 
     @property
     def cache_scope(self) -> str:
-        """The prefix-cache scope of this caller's requests that name no user."""
-        return f"key:{self.key_id}"
+        """The prefix-cache scope of this caller's requests that name no user: the key's id, salted
+        in the key namespace (memory.composition.key_salt), which no user id can reach."""
+        return self.key_id
 
 
 class KeyRecord(BaseModel):
@@ -52,6 +62,11 @@ class KeyRecord(BaseModel):
     label: str = ""
     users: list[str] | None = Field(None, description="User ids the key may act for; null: all (admin).")
     created_at: float
+
+    @computed_field(description="Whether the key acts for every user.")  # type: ignore[prop-decorator]
+    @property
+    def admin(self) -> bool:
+        return self.users is None
 
 
 def hash_key(key: str) -> str:
@@ -79,21 +94,31 @@ class KeyStore:
     def _index(self) -> str:
         return f"{self.prefix}:apikeys"
 
+    async def create(self, users: Sequence[str] = (), *, admin: bool = False, label: str = "") -> tuple[str, KeyRecord]:
+        """A new key (returned once, never stored in clear): an admin key when `admin` is True, else
+        bound to `users`, which must name at least one user (ValueError otherwise)."""
+        if isinstance(users, str) or users is None:
+            raise TypeError("users: a list of user ids")
+        if admin == bool(users):
+            raise ValueError("a key is either an admin key (admin=True, no users) or bound to at least one user")
+        if any(not isinstance(user, str) or not user for user in users):
+            raise ValueError("users: every user id is a non-empty string")
+        if label == SETTINGS_COPY_LABEL:
+            raise ValueError(f"the label {SETTINGS_COPY_LABEL!r} is reserved")
+        return await self._store(None if admin else sorted(set(users)), label)
+
     @redis_unavailable("key store")
-    async def create(self, users: list[str] | None, label: str = "", key: str | None = None) -> tuple[str, KeyRecord]:
-        """A new key (returned once, never stored in clear) bound to `users` (None: admin)."""
-        key = key or KEY_PREFIX + secrets.token_urlsafe(32)
+    async def _store(self, users: list[str] | None, label: str) -> tuple[str, KeyRecord]:
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
         digest = hash_key(key)
-        existing = await self.r.hget(self._key(digest), "key_id")
-        key_id = existing.decode() if existing else f"key_{uuid.uuid4().hex[:12]}"
-        record = KeyRecord(key_id=key_id, label=label, users=sorted(set(users)) if users is not None else None, created_at=time.time())
+        record = KeyRecord(key_id=f"key_{uuid.uuid4().hex[:12]}", label=label, users=users, created_at=time.time())
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(
             self._key(digest),
-            mapping={"key_id": key_id, "label": label, "users": json.dumps(record.users) if users is not None else "*",
+            mapping={"key_id": record.key_id, "label": label, "users": "*" if users is None else json.dumps(users),
                      "created_at": record.created_at},
         )
-        pipe.hset(self._index, key_id, digest)
+        pipe.hset(self._index, record.key_id, digest)
         await pipe.execute()
         self._cache.pop(digest, None)
         return key, record
@@ -137,6 +162,12 @@ class KeyStore:
         await pipe.execute()
         self._cache.pop(digest.decode(), None)
         return True
+
+    async def revoke_settings_copies(self) -> int:
+        """Revokes every stored copy of a settings admin key (an admin key labelled
+        SETTINGS_COPY_LABEL, which only the old code wrote); how many there were."""
+        copies = [r.key_id for r in await self.list() if r.label == SETTINGS_COPY_LABEL and r.users is None]
+        return sum([await self.revoke(key_id) for key_id in copies])
 
     async def close(self) -> None:
         await self.r.aclose()

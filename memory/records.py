@@ -6,10 +6,26 @@ these (memory.fact_store keeps them durable in Redis; memory.redis_keys says whe
 
 from __future__ import annotations
 
+import re
+import uuid
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, Field
+
+_FACT_ID = re.compile(r"[0-9a-f]{32}")  # what new_fact_id mints: 128 random bits, lower-case hex
+
+
+def new_fact_id() -> str:
+    """A new fact id (memory.fact_store mints every fact's id here)."""
+    return uuid.uuid4().hex
+
+
+def is_fact_id(text: str) -> bool:
+    """Whether `text` has the exact shape of a minted fact id. The ingress answers anything else
+    "not found" without asking Redis, so an id cannot name another Redis key (a fact's history
+    list, a user's set) and no id shape answers differently from a missing fact."""
+    return _FACT_ID.fullmatch(text) is not None
 
 
 class StoreUnavailable(ConnectionError):

@@ -38,7 +38,7 @@ import numpy as np
 from pydantic import Field
 
 from kvarena.arena import ArenaError, FactArena, arena_geometry_for
-from memory.composition import scope_cache_salt
+from memory.composition import user_namespace, user_salt
 from memory.chat_query import ChatQuery
 from memory.embedder import Embedder
 from memory.fact_selection import FactSelector
@@ -113,7 +113,7 @@ class MemoryShard:
             name=f"shard {shard_id}",
             context_tokens=settings.encode_context_tokens,
             max_attempts=settings.max_encode_attempts,
-            salt_of=lambda user_id: scope_cache_salt(f"{settings.redis_prefix}:{user_id}"),
+            salt_of=lambda user_id: user_salt(settings.redis_prefix, user_id),
         )
         self.facts: dict[str, FactKV] = self.kv.facts  # fact id -> its KV state (the same dict)
         self.selector = FactSelector(
@@ -281,7 +281,7 @@ class MemoryShard:
             kv=self.kv,
             query=query,
             selection=selection,
-            salt_namespace=f"{self.settings.redis_prefix}:{query.user_id}",
+            salt_namespace=user_namespace(self.settings.redis_prefix, query.user_id),
             default_prefill_top_m=self.settings.prefill_top_m,
         )
         plan.timings = {**selection.timings, "shard_compose": (time.perf_counter() - started) * 1e3 + selection.tokenizing_ms}

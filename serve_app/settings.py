@@ -45,8 +45,9 @@ class AuthSettings(BaseModel):
     )
     admin_key: SecretStr | None = Field(
         None,
-        description="An admin key accepted in keys mode and stored (hashed) at start; in Kubernetes from a Secret "
-        "(KVMEM_AUTH__ADMIN_KEY). More keys: POST /v1/admin/keys or `python -m serve_app.ingress.keys_cli`.",
+        description="An admin key accepted in keys mode, compared with the presented key and never stored, so a new "
+        "value (and a restart) retires the old one; in Kubernetes from a Secret (KVMEM_AUTH__ADMIN_KEY). More keys: "
+        "POST /v1/admin/keys or `python -m serve_app.ingress.keys_cli`.",
     )
     cache_ttl_s: float = Field(30.0, ge=0, description="How long the ingress trusts a key lookup (revocations take this long).")
 
@@ -194,6 +195,13 @@ class ServiceSettings(BaseSettings):
     )
     memory: MemorySettings = Field(default_factory=MemorySettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
+    max_body_bytes: int = Field(
+        8 * 2**20,
+        gt=0,
+        description="Largest request body the ingress reads (413 past it, counted while reading, before any parsing). "
+        "8 MiB: the protocol's largest request (400,000 characters plus 256 turns' ids) is 5.8 MB when every "
+        "character is \\u-escaped, as Python's json and `requests` send non-ASCII text.",
+    )
     replica_call_timeout_s: float = Field(
         300.0, gt=0, description="Most seconds the ingress waits for a replica's answer (or its next streamed chunk)."
     )

@@ -5,11 +5,16 @@
 - admin routes (keys, shards) refuse a user key; keys are stored hashed, revocation works;
 - the prefix-cache side channel is closed: A's prompt-mode request with B's exact memory gets 0
   cached tokens (while B's own repeat does hit the cache, so the check can fail);
-- delete erases: the text leaves Redis and the history, delete_all removes turns and placement.
+- delete erases: the text leaves Redis and the history, delete_all removes turns and placement;
+- no tenant can hurt another (issue 25): key creation is strict, the key is checked before the
+  body is read and the body is bounded while reading (413), the settings admin key is never
+  stored, and every fact id shape a caller does not own gets the same 404 (never a 503).
+The same guards without the service: tests/test_tenant_guards.py.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -33,7 +38,7 @@ def service(redis_server, smollm2_dir):
 
 
 def call(method: str, url: str, key: str | None, **kwargs: Any) -> requests.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {**kwargs.pop("headers", {}), **({"Authorization": f"Bearer {key}"} if key else {})}
     return requests.request(method, url, headers=headers, timeout=300, **kwargs)
 
 
@@ -165,3 +170,95 @@ def test_delete_erases_text_and_delete_all_erases_the_user(service: str, keys: d
     assert not list(client.scan_iter(match=f"{PREFIX}:user:dee:*"))  # turns, placement, sets: gone
     assert not any(b"dee" == m for k in client.scan_iter(match=f"{PREFIX}:shard:*:users") for m in client.smembers(k))
     assert ok(call("GET", f"{service}/v1/memories", ADMIN_KEY, params={"user_id": "dee"}))["results"] == []
+
+
+# ---------------------------------------------------------------------------- issue 25: strict guards
+def test_key_creation_is_strict(service: str, keys: dict[str, str], redis_server) -> None:
+    import redis
+
+    from memory.key_store import hash_key
+
+    before = ok(call("GET", f"{service}/v1/admin/keys", ADMIN_KEY))["results"]
+    for body, param in [({"user": ["bea"]}, "user"), ({}, None), ({"users": []}, "users"), ({"users": None}, None),
+                        ({"users": ["bea"], "admin": True}, None), ({"admin": False}, None)]:
+        refused = call("POST", f"{service}/v1/admin/keys", ADMIN_KEY, json=body)
+        assert refused.status_code == 400, (body, refused.text)
+        if param is not None:
+            assert refused.json()["error"]["param"] == param, refused.text
+    assert ok(call("GET", f"{service}/v1/admin/keys", ADMIN_KEY))["results"] == before  # nothing minted
+    made = ok(call("POST", f"{service}/v1/admin/keys", ADMIN_KEY, json={"admin": True, "label": "ops"}))
+    assert made["admin"] is True and made["users"] is None
+    assert ok(call("GET", f"{service}/v1/shards", made["key"]))["results"]
+    bea = ok(call("POST", f"{service}/v1/admin/keys", ADMIN_KEY, json={"users": ["bea"]}))
+    assert bea["admin"] is False and bea["users"] == ["bea"]
+    assert call("GET", f"{service}/v1/shards", bea["key"]).status_code == 403
+    # the settings admin key is compared, never stored: rotating the Secret retires it
+    client = redis.Redis.from_url(redis_server.url)
+    assert not client.exists(f"{PREFIX}:apikey:{hash_key(ADMIN_KEY)}")
+    assert "admin (settings)" not in {k["label"] for k in ok(call("GET", f"{service}/v1/admin/keys", ADMIN_KEY))["results"]}
+
+
+def raw_request(service: str, path: str, headers: dict[str, str], body: bytes = b"", chunked: list[bytes] | None = None):
+    """(status, JSON body) of a request whose headers go out first; the body only as given."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    where = urlsplit(service)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    try:
+        conn.putrequest("POST", path)
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        if body:
+            conn.send(body)
+        for chunk in chunked or []:
+            conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        if chunked is not None:
+            conn.send(b"0\r\n\r\n")
+        answer = conn.getresponse()
+        return answer.status, json.loads(answer.read())
+    finally:
+        conn.close()
+
+
+def test_the_key_is_checked_before_the_body_is_read(service: str, keys: dict[str, str]) -> None:
+    url = f"{service}/v1/chat/completions"
+    json_type = {"Content-Type": "application/json"}
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * 4_000_000}], "user": "bea"}).encode()
+    for key in (None, "kvm-not-a-key"):
+        for body in (b"{not json", b"[1, 2", huge):
+            answer = call("POST", url, key, data=body, headers=json_type)
+            assert answer.status_code == 401, (key, body[:20], answer.text[:300])
+            assert answer.json()["error"]["code"] == "invalid_api_key"
+    assert call("POST", url, keys["bea"], data=b"{not json", headers=json_type).status_code == 400  # then parsed
+
+    # a body over the limit: 413 before it is read (Content-Length), or as soon as it crosses it (chunked)
+    limit = 8 * 2**20
+    bearer = {"Authorization": f"Bearer {keys['bea']}", "Content-Type": "application/json"}
+    status, error = raw_request(service, "/v1/memories", {**bearer, "Content-Length": str(limit + 1)})
+    assert status == 413 and error["error"]["code"] == "request_too_large", error
+    status, error = raw_request(service, "/v1/memories", {**bearer, "Transfer-Encoding": "chunked"}, chunked=[b" " * 2**20] * 8 + [b" "])
+    assert status == 413 and error["error"]["code"] == "request_too_large", error
+    status, error = raw_request(service, "/v1/memories", {"Content-Length": str(limit + 1)})
+    assert status == 401  # and without a key, the size does not matter
+
+
+def test_one_404_for_every_fact_id_shape_not_owned(service: str, keys: dict[str, str]) -> None:
+    from memory.key_store import hash_key
+
+    ann, bea = keys["ann"], keys["bea"]
+    (added,) = ok(call("POST", f"{service}/v1/memories", bea, json={"user_id": "bea", "facts": ["Bea's bike is red."]}))["results"]
+    b_id = added["id"]
+    shapes = [b_id, f"{b_id}:history", f"{b_id}x", b_id.upper(), b_id[:-1], f"{b_id}:history:x", "f" * 32, "x",
+              f"apikey:{hash_key(bea)}", "user:bea:facts", "user:bea:shard", "user:bea:turns", "history"]
+    routes = [("GET", "", {}), ("DELETE", "", {}), ("PUT", "", {"json": {"text": "Bea's bike is blue."}}), ("GET", "/history", {})]
+    expected = None
+    for method, suffix, kwargs in routes:
+        for key, mine in ((ann, shapes), (bea, shapes[1:]), (ADMIN_KEY, shapes[1:])):  # not even the owner
+            for shape in mine:
+                answer = call(method, f"{service}/v1/memories/{shape}{suffix}", key, **kwargs)
+                assert answer.status_code == 404, (method, shape, suffix, answer.text)
+                error = {**answer.json()["error"], "message": answer.json()["error"]["message"].replace(shape, "ID")}
+                assert error == (expected := expected or error), (method, shape, error)
+    assert ok(call("GET", f"{service}/v1/memories/{b_id}", bea))["text"] == "Bea's bike is red."  # untouched

@@ -19,7 +19,7 @@ def test_encodes_are_salted_per_user_like_their_chats(smollm2_dir, redis_server)
     """Two users with the same fact text: their encode requests carry each user's own cache salt
     (the one the replica gives that user's chats), so one user's encode never fills a prefix-cache
     block the other can hit. The shared instruction prefix is the only unsalted entry."""
-    from memory.composition import scope_cache_salt
+    from memory.composition import user_salt
     from memory.kv_lifecycle import PREFIX_KEY
 
     settings = shard_settings(window_turns=0)
@@ -28,8 +28,8 @@ def test_encodes_are_salted_per_user_like_their_chats(smollm2_dir, redis_server)
         ids = {user: shard.add_facts(user, [NewFact(text="Likes green tea.")])[0]["id"] for user in ("lea", "max")}
         jobs = shard.take_encode_jobs()
         salts = {job.key: job.cache_salt for job in jobs}
-        assert salts[ids["lea"]] == scope_cache_salt(f"{settings.redis_prefix}:lea")
-        assert salts[ids["max"]] == scope_cache_salt(f"{settings.redis_prefix}:max") != salts[ids["lea"]]
+        assert salts[ids["lea"]] == user_salt(settings.redis_prefix, "lea")
+        assert salts[ids["max"]] == user_salt(settings.redis_prefix, "max") != salts[ids["lea"]]
         assert PREFIX_KEY in salts and salts[PREFIX_KEY] is None  # a fresh arena: the shared prefix is queued too
         shard.complete_encode_jobs({job.job_id: None for job in jobs})
     finally:

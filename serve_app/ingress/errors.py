@@ -9,7 +9,9 @@ as OpenAI's API and its clients expect (`openai.BadRequestError.param`, `.code`,
   type; a field this service does not implement is refused by name (`code: unsupported_parameter`);
 - HTTPException (the ingress's own refusals, unknown routes, 405): its status; a replica's
   RequestRejected / NotFound behind it lends its `param` and `code` (`model_not_found`);
-- anything else: 500, or 503 when a replica or the memory shard is unavailable or overloaded.
+- anything else: 500, or 503 when a replica or the memory shard is unavailable or overloaded;
+- before any route: 401 without a valid key and 413 for a body over `max_body_bytes`, answered by
+  serve_app.ingress.gate with these same bodies.
 
 `install_error_handlers(api)` registers the handlers and rewrites the app's OpenAPI document so
 that every operation documents these statuses with the ErrorResponse schema (and the chat route
@@ -34,7 +36,7 @@ from serve_app.protocol import ChatCompletionChunk, ChatCompletionResponse, Erro
 
 logger = logging.getLogger(__name__)
 
-ERROR_STATUSES = (400, 401, 403, 404, 405, 500, 503, 504)
+ERROR_STATUSES = (400, 401, 403, 404, 405, 413, 500, 503, 504)
 _TYPE_OF_STATUS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
 # Ray's signs that a replica or actor is gone or full: the service is unavailable, not broken.
 _UNAVAILABLE = {

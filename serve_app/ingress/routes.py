@@ -20,9 +20,10 @@ Routes (OpenAI chat completions plus Mem0-style memory operations):
     POST   /v1/admin/keys                create an API key (admin); GET lists, DELETE /{key_id} revokes
     GET    /health                       Redis, and each replica's engine and shard (no key needed)
 
-Who may do what (serve_app.ingress.auth): with `auth.mode: keys` every route but /health needs a key;
-a key acts only for its users: 401 without a valid key, 403 for another user's data, and fact-id
-routes answer the same 404 for "not yours" as for "does not exist".
+Who may do what (serve_app.ingress.auth): with `auth.mode: keys` every route but /health needs a key,
+checked with the body's size by serve_app.ingress.gate before the body is read (401, 413); a key
+acts only for its users: 403 for another user's data, and fact-id routes answer the same 404 for
+"not yours", "does not exist" and any id not of the minted shape (memory.records.is_fact_id).
 
 The application is assembled by serve_app.app.build_app.
 """
@@ -33,17 +34,16 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator, Awaitable
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from memory.directory import UserDirectory
-from memory.records import StoreUnavailable
-from serve_app.ingress.auth import Authenticator, KeyRecord, KeyStore, Principal
+from memory.records import StoreUnavailable, is_fact_id
+from serve_app.ingress.auth import Authenticator, KeyRecord, KeyStore, NewKeyRequest, Principal, caller
 from serve_app.ingress.errors import install_error_handlers
+from serve_app.ingress.gate import RequestGate
 from serve_app.protocol import (
     AddMemoryRequest,
     ChatCompletionRequest,
@@ -60,12 +60,16 @@ logger = logging.getLogger(__name__)
 
 api = FastAPI(title="kv-memory-serve", description="LLM serving with per-user KV-injected memory.")
 install_error_handlers(api)  # OpenAI-shaped 4xx/5xx bodies, documented in the OpenAPI schema
-bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer kvm-...` (auth.mode keys).")
 
 
-class NewKeyRequest(BaseModel):
-    users: list[str] | None = Field(None, description="User ids the key may act for; null or absent: an admin key.")
-    label: str = Field("", max_length=256, description="A note to recognise the key by.")
+def serving_ingress() -> "ChatRoutes":
+    """The ChatRoutes this Serve replica runs (ChatAPI, or a `routing: direct` LLM replica): the
+    RequestGate's authenticator and body limit."""
+    return serve.get_replica_context().servable_object
+
+
+# Before routing, so before FastAPI reads a body: key (401) and body size (413) first.
+api.add_middleware(RequestGate, ingress=serving_ingress)
 
 
 def http_error(exc: BaseException) -> HTTPException | None:
@@ -108,6 +112,7 @@ class ChatRoutes:
         self.directory = UserDirectory.from_url(settings.redis_url, prefix)
         self.keys = KeyStore.from_url(settings.redis_url, prefix, settings.auth.cache_ttl_s)
         self.auth = Authenticator(settings.auth, self.keys)
+        self.max_body_bytes = settings.max_body_bytes  # the RequestGate's bound
         if getattr(self, "stage_seconds", None) is None:  # the LLM replica may have made it
             self.stage_seconds = stage_histogram()
 
@@ -132,9 +137,10 @@ class ChatRoutes:
     async def _replica_of_fact(
         self, principal: Principal, fact_id: str, user_id: str | None
     ) -> tuple[DeploymentHandle, str]:
-        """The replica and owner of a fact the caller may touch; one 404 for absent and not yours."""
+        """The replica and owner of a fact the caller may touch; one 404 for absent, not yours, and
+        an id the service never mints (not looked up: it could name another Redis key)."""
         try:
-            owner = await self.directory.owner_of_fact(fact_id)
+            owner = await self.directory.owner_of_fact(fact_id) if is_fact_id(fact_id) else None
         except StoreUnavailable as exc:
             raise _unavailable(exc) from exc
         if owner is None or not principal.may_act_for(owner) or (user_id is not None and owner != user_id):
@@ -157,14 +163,15 @@ class ChatRoutes:
     # ------------------------------------------------------------------ chat
     @api.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
-        self, request: ChatCompletionRequest, response: Response,
-        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+        self, request: ChatCompletionRequest, response: Response, http: Request,
+        principal: Principal = Depends(caller),
     ) -> ChatCompletionResponse | StreamingResponse:
         """The ingress's stages (auth, route, replica_first_event; serve_app.stage_timings) come
-        back in a Server-Timing header and go to kvmem_stage_seconds; the replica's in `timings`."""
+        back in a Server-Timing header and go to kvmem_stage_seconds; the replica's in `timings`.
+        `auth` is the RequestGate's key check, before the body was read."""
         clock = StageClock()
-        principal = await self.auth.principal(credentials)
-        routed = clock.record("auth", clock.started)
+        clock.add({"auth": getattr(http.state, "auth_ms", 0.0)})
+        routed = clock.started
         shard: int | None = None
         if request.user:
             self.auth.require_user(principal, request.user)
@@ -215,73 +222,73 @@ class ChatRoutes:
     # ------------------------------------------------------------------ memory
     @api.post("/v1/memories")
     async def add_memories(
-        self, request: AddMemoryRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+        self, request: AddMemoryRequest, principal: Principal = Depends(caller)
     ) -> dict[str, Any]:
-        self.auth.require_user(await self.auth.principal(credentials), request.user_id)
+        self.auth.require_user(principal, request.user_id)
         return await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
 
     @api.get("/v1/memories")
     async def list_memories(
         self, user_id: str = Query(..., min_length=1, max_length=256),
-        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+        principal: Principal = Depends(caller),
     ) -> dict[str, Any]:
-        self.auth.require_user(await self.auth.principal(credentials), user_id)
+        self.auth.require_user(principal, user_id)
         records = await self._answer((await self._replica_of_user(user_id)).get_all.remote(user_id))
         return {"results": [r.model_dump() for r in records]}
 
     @api.post("/v1/memories/search")
     async def search_memories(
-        self, request: SearchMemoryRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+        self, request: SearchMemoryRequest, principal: Principal = Depends(caller)
     ) -> dict[str, Any]:
-        self.auth.require_user(await self.auth.principal(credentials), request.user_id)
+        self.auth.require_user(principal, request.user_id)
         replica = await self._replica_of_user(request.user_id)
         hits = await self._answer(replica.search.remote(request.user_id, request.query, request.limit))
         return {"results": [{"id": h.fact_id, "memory": h.text, "score": h.score, "source_id": h.source_id} for h in hits]}
 
     @api.get("/v1/memories/{fact_id}")
     async def get_memory(
-        self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+        self, fact_id: str, user_id: str | None = None, principal: Principal = Depends(caller)
     ) -> dict[str, Any]:
-        replica, owner = await self._replica_of_fact(await self.auth.principal(credentials), fact_id, user_id)
+        replica, owner = await self._replica_of_fact(principal, fact_id, user_id)
         return (await self._answer(replica.get.remote(fact_id, owner))).model_dump()
 
     @api.put("/v1/memories/{fact_id}")
     async def update_memory(
         self, fact_id: str, request: UpdateMemoryRequest, user_id: str | None = None,
-        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+        principal: Principal = Depends(caller),
     ) -> dict[str, Any]:
-        replica, owner = await self._replica_of_fact(await self.auth.principal(credentials), fact_id, user_id)
+        replica, owner = await self._replica_of_fact(principal, fact_id, user_id)
         return (await self._answer(replica.update.remote(fact_id, owner, request.text, wait_for_kv=request.wait_for_kv))).model_dump()
 
     @api.delete("/v1/memories/{fact_id}")
     async def delete_memory(
-        self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+        self, fact_id: str, user_id: str | None = None, principal: Principal = Depends(caller)
     ) -> dict[str, Any]:
-        replica, owner = await self._replica_of_fact(await self.auth.principal(credentials), fact_id, user_id)
+        replica, owner = await self._replica_of_fact(principal, fact_id, user_id)
         await self._answer(replica.delete.remote(fact_id, owner))
         return {"message": f"memory {fact_id} deleted"}
 
     @api.delete("/v1/memories")
     async def delete_memories(
         self, user_id: str = Query(..., min_length=1, max_length=256),
-        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+        principal: Principal = Depends(caller),
     ) -> dict[str, Any]:
-        self.auth.require_user(await self.auth.principal(credentials), user_id)
+        self.auth.require_user(principal, user_id)
         deleted = await self._answer((await self._replica_of_user(user_id)).delete_all.remote(user_id))
         self.directory.forget_user(user_id)  # its placement is erased with its memory
         return {"message": f"{deleted} memories of {user_id} deleted", "deleted": deleted}
 
     @api.get("/v1/memories/{fact_id}/history")
     async def memory_history(
-        self, fact_id: str, user_id: str | None = None, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+        self, fact_id: str, user_id: str | None = None, principal: Principal = Depends(caller)
     ) -> dict[str, Any]:
-        replica, owner = await self._replica_of_fact(await self.auth.principal(credentials), fact_id, user_id)
+        replica, owner = await self._replica_of_fact(principal, fact_id, user_id)
         events = await self._answer(replica.history.remote(fact_id, owner))
         return {"results": [e.model_dump() for e in events]}
 
     @api.get("/v1/shards")
-    async def shard_stats(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
-        self.auth.require_admin(await self.auth.principal(credentials))
+    async def shard_stats(self, principal: Principal = Depends(caller)) -> dict[str, Any]:
+        self.auth.require_admin(principal)
         limit = self.settings.status_timeout_s + 0.1  # the replica answers from its last statistics after status_timeout_s
 
         async def one(shard: int) -> dict[str, Any]:
@@ -297,29 +304,28 @@ class ChatRoutes:
     # ------------------------------------------------------------------ API keys (admin)
     @api.post("/v1/admin/keys")
     async def create_key(
-        self, request: NewKeyRequest, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+        self, request: NewKeyRequest, principal: Principal = Depends(caller)
     ) -> dict[str, Any]:
         """A new API key; the key itself is in this answer only (Redis keeps its hash)."""
-        self.auth.require_admin(await self.auth.principal(credentials))
-        key, record = await self.keys.create(request.users, label=request.label)
+        self.auth.require_admin(principal)
+        key, record = await self.keys.create(request.users or (), admin=request.admin, label=request.label)
         return {"key": key, **record.model_dump()}
 
     @api.get("/v1/admin/keys")
-    async def list_keys(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, list[KeyRecord]]:
-        self.auth.require_admin(await self.auth.principal(credentials))
+    async def list_keys(self, principal: Principal = Depends(caller)) -> dict[str, list[KeyRecord]]:
+        self.auth.require_admin(principal)
         return {"results": await self.keys.list()}
 
     @api.delete("/v1/admin/keys/{key_id}")
-    async def revoke_key(self, key_id: str, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
-        self.auth.require_admin(await self.auth.principal(credentials))
+    async def revoke_key(self, key_id: str, principal: Principal = Depends(caller)) -> dict[str, Any]:
+        self.auth.require_admin(principal)
         if not await self.keys.revoke(key_id):
             raise HTTPException(404, f"no API key {key_id!r}")
         return {"message": f"API key {key_id} revoked"}
 
     # ------------------------------------------------------------------ misc
     @api.get("/v1/models")
-    async def models(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> dict[str, Any]:
-        await self.auth.principal(credentials)
+    async def models(self, principal: Principal = Depends(caller)) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.settings.served_model_name, "object": "model"}]}
 
     @api.get("/health")

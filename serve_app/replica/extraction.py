@@ -55,7 +55,7 @@ async def extract_facts(
 
     async def one(turn: Turn) -> list[NewFact]:
         prompt = TokensPrompt(prompt_token_ids=layout.extraction_prompt_ids(turn.speaker, turn.text, max_facts))
-        if cache_salt:  # the user's own prefix-cache scope (memory.composition.scope_cache_salt)
+        if cache_salt:  # the user's own prefix-cache scope (memory.composition.user_salt)
             prompt["cache_salt"] = cache_salt
         final = None
         async for output in engine.generate(prompt, params, request_id=f"extract-{uuid.uuid4().hex}"):

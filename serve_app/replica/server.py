@@ -27,7 +27,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from actors.plan_channel import PlanClient, plan_channel_address
 from actors.shard_client import ShardClient
-from memory.composition import scope_cache_salt
+from memory.composition import key_salt, user_salt
 from memory.prompting import PromptLayout
 from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact
 from memory.records import MemoryHit
@@ -178,7 +178,7 @@ class MemoryLLM:
         """Plan and run one chat request; yields (engine output, prompt ids, memory plan, stage
         timings in ms) as the engine produces tokens (cumulative outputs). Refusals are raised
         before the engine runs. Every request is salted: by its user, else by `cache_scope` (the
-        caller's API key)."""
+        caller's API key id, Principal.cache_scope: a key's namespace, never a user's)."""
         from vllm.inputs import TokensPrompt  # the process boundary: module docstring
 
         clock = StageClock()
@@ -195,7 +195,7 @@ class MemoryLLM:
         elif request.user:
             prompt["cache_salt"] = self._user_salt(request.user)
         elif cache_scope:
-            prompt["cache_salt"] = self._user_salt(cache_scope)
+            prompt["cache_salt"] = key_salt(self.settings.memory.redis_prefix, cache_scope)
         mode = plan.mode if plan is not None else "none"
         start = time.perf_counter()
         first_token_at: float | None = None
@@ -234,7 +234,7 @@ class MemoryLLM:
 
     def _user_salt(self, user_id: str) -> str:
         """The user's prefix-cache scope: their requests share cached blocks with no one else."""
-        return scope_cache_salt(f"{self.settings.memory.redis_prefix}:{user_id}")
+        return user_salt(self.settings.memory.redis_prefix, user_id)
 
     # ------------------------------------------------------------------ memory operations
     async def add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
