@@ -254,6 +254,7 @@ def episode(fault: str, handle: dict[str, Any], args: argparse.Namespace, r: dic
     gap_end = max(began + recovered if r["recovered"] and recovered is not None else finished, ended)
     r["statuses"] = {**parts.status_counts(watchers.events, began, gap_end), "locust (whole run)": locust_counts}
     r["statuses_episode"] = parts.status_counts(watchers.events, float("-inf"), float("inf"))
+    r["durations_in_gap"] = parts.slowest(watchers.events, began, gap_end)
     r["bad_statuses"] = parts.bad_statuses(r["statuses_episode"], locust_counts)
     r["fault_s"], r["gap_s"] = round(ended - began, 1), round(gap_end - began, 1)
     try:
@@ -265,6 +266,7 @@ def episode(fault: str, handle: dict[str, Any], args: argparse.Namespace, r: dic
     finally:
         watchers.stop()
         r.update(parts.health_summary(watchers.events, args.health_timeout_s, began))
+        r["timeline"] = parts.timeline(watchers.events, began, began - 2, time.monotonic())
         r["orphans"] = parts.survivors(children)  # the victim's children still running
         r["pids_after"] = parts.pids(handle.get("serve_pid"))
         r["episode_s"] = round(time.monotonic() - began + args.warmup_s, 1)
@@ -300,6 +302,10 @@ def run(args: argparse.Namespace) -> None:
                 continue
             fresh = None
             if not healthy(handle, 30.0):  # the last fault left it dead: a fresh start, recorded
+                if args.deadline - time.monotonic() < args.min_episode_s + float(handle.get("startup_s") or 0):
+                    result[fault] = {"skipped": f"the service is dead and a fresh start ({handle.get('startup_s')} s) does not fit the budget"}
+                    say(f"{fault}: skipped, {result[fault]['skipped']}")
+                    continue
                 say(f"{fault}: the service does not answer /health 200; stopping it and starting a fresh one")
                 service.stop() if service is not None else stop_foreign(handle)
                 result["run"]["fresh_starts"] += 1
@@ -347,7 +353,7 @@ def main() -> None:
         for source in args.merge:
             loaded = json.loads(source.read_text())
             result.setdefault("runs", []).append({"file": str(source), **loaded.pop("run", {})})
-            result.update(loaded)
+            result.update({fault: r for fault, r in loaded.items() if fault not in result or "skipped" not in r})
         args.merge_out.write_text(json.dumps(result, indent=1))
         print(parts.table(result))
         return

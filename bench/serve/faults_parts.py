@@ -148,6 +148,24 @@ def status_counts(events: list[Event], start: float, end: float) -> dict[str, di
     return {source: dict(sorted(c.items())) for source, c in sorted(counts.items())}
 
 
+def slowest(events: list[Event], start: float, end: float) -> dict[str, dict[str, Any]]:
+    """Per client, over the answers that overlap [start, end]: how many, the longest and the median seconds."""
+    out: dict[str, dict[str, Any]] = {}
+    for source in sorted({e.source for e in events}):
+        took = sorted(e.done - e.sent for e in events if e.source == source and e.done >= start and e.sent <= end)
+        if took:
+            out[source] = {"n": len(took), "max_s": round(took[-1], 2), "p50_s": round(took[len(took) // 2], 2)}
+    return out
+
+
+def timeline(events: list[Event], since: float, start: float, end: float) -> list[list[Any]]:
+    """[client, sent (s after the fault), seconds taken, status] of every chat and add in [start, end],
+    and of every /health answer that was not a 200 within 1 s."""
+    rows = [e for e in events if e.done >= start and e.sent <= end
+            and (e.source != "health" or e.status != 200 or e.done - e.sent > 1.0)]
+    return [[e.source, round(e.sent - since, 2), round(e.done - e.sent, 2), e.status] for e in sorted(rows, key=lambda e: e.sent)]
+
+
 def health_summary(events: list[Event], timeout_s: float, since: float) -> dict[str, Any]:
     health = [e for e in events if e.source == "health"]
     durations = [(timeout_s if e.status == "timeout" else e.done - e.sent, e) for e in health]
@@ -203,7 +221,7 @@ def locust_summary(prefix: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ processes
 def title(process: psutil.Process) -> str:
     try:
-        return " ".join(process.cmdline()) or process.name()
+        return " ".join(process.cmdline()).strip() or process.name()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return ""
 
