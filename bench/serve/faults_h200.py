@@ -16,16 +16,19 @@ Locust's own counts over its run), bad_statuses (anything but 200 and 503), lost
 fact ids not listed afterwards; kv_states of those listed; a kv chat answered from them:
 answered_from of answer_top_k), arena_before / arena_after (/v1/shards once pending_encodes == 0:
 pages_free, bytes_free, pins, ...) and arena_tables_* (the arena's own tables: leaked_pages = pages
-used by no live entry), orphans (the victim's child processes still alive afterwards). A service
+used by no live entry), orphans (the victim's child processes still alive afterwards),
+durations_in_gap and timeline (every chat and add around the fault, and each /health answer over
+1 s or whose status changed: sent, client, status, seconds taken). A service
 that stayed dead is stopped and a fresh one started before the next fault (`fresh_start`). The JSON
 is written after every fault. Everything runs in this process's own service (a free port, a fresh
 Redis folder and arena folder), or in one a previous call left running (--keep-running, the STATE
 file of bench/serve/serve_h200.py; with --cpu only one this script started from this checkout).
 
-On the GPU machine, after the staging of bench/serve/serve_h200.py (its --prepare and stage.sh
---with-ray; carry [".device-stage/install.sh", ".serve-stage"]), one call starts the service (about
-150-220 s) and runs the faults that fit its budget, the next call (at once: an idle machine is
-released) runs the rest on the same service:
+On the GPU machine, staged as for bench/serve/serve_h200.py (docs/gpu.md: its --prepare, stage.sh
+--with-ray, the chunk copies; then carry [".device-stage/install.sh", ".serve-stage"]), one call
+starts the service (150-220 s) and runs the faults that fit its budget (a fault starts only with
+--min-episode-s left; one not started is recorded as skipped), the next call, at once (a machine
+idle for 30 s is released with the service), runs the rest on the same service:
 
     bash .device-stage/install.sh && export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 && \\
       python3 -m bench.serve.faults_h200 --out $OUT --budget-s 420 --faults engine_core,replica --keep-running
@@ -121,7 +124,8 @@ def start_service(args: argparse.Namespace, number: int) -> tuple[dict[str, Any]
         raise
     handle = {"url": service.url, "admin_key": service.admin_key, "startup_s": startup, "serve_pid": service.process.pid,
               "redis_pid": service.redis.process.pid, "arena_dir": str(service.arena_dir), "root": str(ROOT), "cpu": args.cpu}
-    STATE.write_text(json.dumps(handle))
+    if args.keep_running:  # for a later call (serve_h200 reads the same file)
+        STATE.write_text(json.dumps(handle))
     say(f"healthy after {startup} s")
     return handle, service
 
@@ -257,9 +261,11 @@ def episode(fault: str, handle: dict[str, Any], args: argparse.Namespace, r: dic
     r["durations_in_gap"] = parts.slowest(watchers.events, began, gap_end)
     r["bad_statuses"] = parts.bad_statuses(r["statuses_episode"], locust_counts)
     r["fault_s"], r["gap_s"] = round(ended - began, 1), round(gap_end - began, 1)
+    bound = 60.0 if r["recovered"] else 10.0  # a service that did not come back gets short checks (the call's time limit)
     try:
-        with watchers.client(60) as client:
-            after, r["settle_after_s"] = parts.settle(client, max(10.0, min(args.settle_s, args.deadline + 60 - time.monotonic())))
+        with watchers.client(bound) as client:
+            within = max(10.0, min(args.settle_s, args.deadline + 60 - time.monotonic())) if r["recovered"] else bound
+            after, r["settle_after_s"] = parts.settle(client, within)
             r["settled"] = after is not None
             r["arena_after"], r["arena_tables_after"] = parts.arena_free(after), parts.arena_tables_sum(paths)
             r.update(parts.check_facts(client, adder, watchers.acked, top_k=200, max_tokens=args.probe_tokens))
@@ -323,12 +329,13 @@ def run(args: argparse.Namespace) -> None:
         say(result["run"]["error"])
     finally:
         result["run"]["load_average_end"] = os.getloadavg()
+        if service is not None and (service.process.poll() is not None or "error" in result["run"]):
+            result["run"]["serve_log_tail"] = tail(args.out / service.log_name, 40)
         path.write_text(json.dumps(result, indent=1, default=str))
         if service is not None and not args.keep_running:
             service.stop()
-            STATE.unlink(missing_ok=True)
-        elif service is not None and service.process.poll() is not None:
-            result["run"]["serve_log_tail"] = tail(args.out / service.log_name, 40)
+            if STATE.exists() and json.loads(STATE.read_text()).get("url") == service.url:
+                STATE.unlink()
     print(parts.table(result))
 
 

@@ -158,12 +158,20 @@ def slowest(events: list[Event], start: float, end: float) -> dict[str, dict[str
     return out
 
 
-def timeline(events: list[Event], since: float, start: float, end: float) -> list[list[Any]]:
-    """[client, sent (s after the fault), seconds taken, status] of every chat and add in [start, end],
-    and of every /health answer that was not a 200 within 1 s."""
-    rows = [e for e in events if e.done >= start and e.sent <= end
-            and (e.source != "health" or e.status != 200 or e.done - e.sent > 1.0)]
-    return [[e.source, round(e.sent - since, 2), round(e.done - e.sent, 2), e.status] for e in sorted(rows, key=lambda e: e.sent)]
+def timeline(events: list[Event], since: float, start: float, end: float) -> list[str]:
+    """"+0.30 chat 503 19.47s" (sent, seconds after the fault; client; status; seconds taken) for
+    every chat and add in [start, end], and for each /health answer that took over 1 s or whose
+    status differs from the one before it."""
+    rows, last = [], None
+    for e in sorted(events, key=lambda e: e.sent):
+        if e.source == "health":
+            changed, last = e.status != last, e.status
+            if not changed and e.done - e.sent <= 1.0:
+                continue
+        if e.done >= start and e.sent <= end:
+            status = f"{e.status}{' (no Retry-After)' if e.status == 503 and not e.retry_after and e.source != 'health' else ''}"
+            rows.append(f"{e.sent - since:+.2f} {e.source} {status} {e.done - e.sent:.2f}s")
+    return rows
 
 
 def health_summary(events: list[Event], timeout_s: float, since: float) -> dict[str, Any]:
