@@ -248,6 +248,8 @@ def episode(fault: str, handle: dict[str, Any], args: argparse.Namespace, r: dic
         time.sleep(args.tail_s)
     finally:
         locust_counts = locust.stop()
+        if "error" not in locust_counts:  # its CSVs and log: kept only when they could not be read
+            shutil.rmtree(csv_dir, ignore_errors=True)
         watchers.stop_clients()
         finished = time.monotonic()
         if "recovered" not in r:  # the fault was not done: nothing to check
