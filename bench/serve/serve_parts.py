@@ -179,15 +179,24 @@ def ingest(ctx: Context) -> dict[str, Any]:
     return {"ingest": one_way(service, args, wait_for_kv=False, max_turns=None)}
 
 
+def locust_command(ctx: Context, mode: str, users: int, seconds: int, prefix: Path, questions: str = "fixed", *,
+                   pool: int = LOCUST_POOL, top_k: int = 50, max_tokens: int = 50, wait_s: float = 0.0,
+                   processes: int = 4) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one headless Locust run over the seeded pool (closed
+    loop when wait_s is 0); bench/serve/faults_h200.py runs it in the background."""
+    env = dict(os.environ, KVMEM_LOADTEST_USERS=str(pool), KVMEM_LOADTEST_FACTS="0", KVMEM_LOADTEST_MEMORY_MODE=mode,
+               KVMEM_LOADTEST_TOP_K=str(top_k), KVMEM_LOADTEST_MAX_TOKENS=str(max_tokens), KVMEM_LOADTEST_WAIT_S=f"{wait_s:g}",
+               KVMEM_LOADTEST_API_KEY=ctx.admin_key, KVMEM_LOADTEST_QUESTIONS=questions)
+    command = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", str(users), "-r", str(users),
+               "-t", f"{seconds}s", "--host", ctx.url, "--csv", str(prefix), "--only-summary"]
+    return command + (["--processes", str(processes)] if processes > 1 else []), env
+
+
 def run_locust(ctx: Context, mode: str, users: int, seconds: int, prefix: Path, questions: str = "fixed") -> dict[str, Any]:
     """One closed-loop Locust run (k = 50, 50 output tokens) over the seeded pool, asking the
     locustfile's 8 built-in questions (`fixed`) or 400 different ones (`varied`): its CSV rows
     for the chats (`chat`), their first content (`first`) and the replica's stages (`server`: stage -> row)."""
-    env = dict(os.environ, KVMEM_LOADTEST_USERS=str(LOCUST_POOL), KVMEM_LOADTEST_FACTS="0", KVMEM_LOADTEST_MEMORY_MODE=mode,
-               KVMEM_LOADTEST_TOP_K="50", KVMEM_LOADTEST_MAX_TOKENS="50", KVMEM_LOADTEST_WAIT_S="0",
-               KVMEM_LOADTEST_API_KEY=ctx.admin_key, KVMEM_LOADTEST_QUESTIONS=questions)
-    command = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", str(users), "-r", str(users),
-               "-t", f"{seconds}s", "--host", ctx.url, "--csv", str(prefix), "--only-summary", "--processes", "4"]
+    command, env = locust_command(ctx, mode, users, seconds, prefix, questions)
     subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=seconds + 60)
     rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(f"{prefix}_stats.csv"))}
     server = {name: row for (kind, name), row in rows.items() if kind == "SERVER"}
