@@ -3,7 +3,7 @@
     RetrievalSettings  memory.retrieval in the service settings (torch- and bm25s-free import)
     Retriever          what MemoryShard searches through: keeps the keyword index in step with
                        the vector index (track / forget / clear_user) and answers search()
-    rrf_fuse           weighted reciprocal-rank fusion of ranked id lists
+    rrf_fuse           weighted reciprocal-rank fusion of ranked hit lists (ties share a rank)
     expand             neighbours (same source turn / same session) of the strongest hits
     keyword_document   the text a fact is keyword-indexed under (fact, session date, source turn)
     is_time_question   "when ..."-like questions and questions naming a month or a year
@@ -120,15 +120,21 @@ def keyword_document(text: str, session_time: str | None = None, context: str | 
     return " ".join(part for part in (text, session_date_text(session_time), context) if part)
 
 
-def rrf_fuse(lists: Sequence[Sequence[str]], weights: Sequence[float], rrf_k: float) -> list[str]:
-    """Weighted reciprocal-rank fusion: score(id) = sum over lists of w / (rrf_k + rank), rank from 1.
-    Best first; ties go to the id that appears earliest in the earliest list."""
+def rrf_fuse(lists: Sequence[Sequence[SearchHit]], weights: Sequence[float], rrf_k: float) -> list[str]:
+    """Weighted reciprocal-rank fusion: score(id) = sum over lists of w / (rrf_k + rank), where a
+    hit's rank is 1 + the number of hits of its list with a strictly higher score, so hits that
+    tie share the best rank of their tie (a tie says nothing about order: 30 facts that all match
+    a query's words equally must not be ranked 1..30 by insertion order). Each list is best first.
+    Best first; ties of the fused score go to the id that appears earliest in the earliest list."""
     score: dict[str, float] = {}
     first: dict[str, tuple[int, int]] = {}
-    for li, (ids, weight) in enumerate(zip(lists, weights)):
-        for rank, fact_id in enumerate(ids, 1):
-            score[fact_id] = score.get(fact_id, 0.0) + weight / (rrf_k + rank)
-            first.setdefault(fact_id, (li, rank))
+    for li, (hits, weight) in enumerate(zip(lists, weights)):
+        rank, previous = 0, None
+        for position, hit in enumerate(hits, 1):
+            if previous is None or hit.score != previous:
+                rank, previous = position, hit.score
+            score[hit.fact_id] = score.get(hit.fact_id, 0.0) + weight / (rrf_k + rank)
+            first.setdefault(hit.fact_id, (li, position))
     return sorted(score, key=lambda i: (-score[i], first[i]))
 
 
@@ -254,9 +260,7 @@ class Retriever:
         keyword = self.keyword.search(user_id, query, depth) if query else []
         cosine = {hit.fact_id: hit.score for hit in dense}
         boost = s.time_keyword_boost if s.time_keyword_boost != 1.0 and is_time_question(query) else 1.0
-        ranked = rrf_fuse(
-            [[h.fact_id for h in dense], [h.fact_id for h in keyword]], [s.dense_weight, s.keyword_weight * boost], s.rrf_k
-        )
+        ranked = rrf_fuse([dense, keyword], [s.dense_weight, s.keyword_weight * boost], s.rrf_k)
         if s.expand != "none" and s.expand_top and s.expand_per_hit:
             position = {fact_id: i for i, fact_id in enumerate(ranked)}
             ranked = expand(ranked, lambda f: self._neighbours(f, position), s.expand_top, s.expand_per_hit, len(ranked) + k)

@@ -110,12 +110,29 @@ def test_tokenizer_stems_and_drops_stop_words() -> None:
 
 
 # ----------------------------------------------------------------------------- pure parts
+def _ranked(*ids: str) -> list[SearchHit]:
+    """Hits best first with distinct, falling scores."""
+    return [SearchHit(fact_id, 1.0 - i / 100) for i, fact_id in enumerate(ids)]
+
+
 def test_rrf_fuse_weights_and_ties() -> None:
-    assert rrf_fuse([["a", "b", "c"], ["c", "b"]], [1.0, 1.0], 10) == ["c", "b", "a"]  # c: 1/13+1/11 > b: 1/12+1/12
-    assert rrf_fuse([["a", "b"], ["b", "a"]], [1.0, 1.0], 10) == ["a", "b"]  # a tie: the first list's order
-    assert rrf_fuse([["a", "b"], ["b", "a"]], [1.0, 2.0], 10) == ["b", "a"]
-    assert rrf_fuse([["a"], []], [1.0, 1.0], 10) == ["a"] and rrf_fuse([[], []], [1, 1], 10) == []
-    assert rrf_fuse([["a", "b"], ["b"]], [1.0, 0.0], 10) == ["a", "b"]  # weight 0: that list does not count
+    assert rrf_fuse([_ranked("a", "b", "c"), _ranked("c", "b")], [1.0, 1.0], 10) == ["c", "b", "a"]  # c: 1/13+1/11 > b: 1/12+1/12
+    assert rrf_fuse([_ranked("a", "b"), _ranked("b", "a")], [1.0, 1.0], 10) == ["a", "b"]  # a tie: the first list's order
+    assert rrf_fuse([_ranked("a", "b"), _ranked("b", "a")], [1.0, 2.0], 10) == ["b", "a"]
+    assert rrf_fuse([_ranked("a"), []], [1.0, 1.0], 10) == ["a"] and rrf_fuse([[], []], [1, 1], 10) == []
+    assert rrf_fuse([_ranked("a", "b"), _ranked("b")], [1.0, 0.0], 10) == ["a", "b"]  # weight 0: that list does not count
+
+
+def test_rrf_fuse_gives_tied_scores_one_rank() -> None:
+    """Thirty facts that match a query's words equally carry no keyword order: the dense order
+    decides, whatever order the keyword index lists the tie in."""
+    dense = _ranked("f5", "f1", "f0", "f2")
+    tied = [SearchHit(f, 3.0) for f in ("f0", "f1", "f2", "f5")]
+    assert rrf_fuse([dense, tied], [1.0, 1.0], 10) == ["f5", "f1", "f0", "f2"]
+    # a strictly better keyword score still counts, and ranks after a tie skip its members
+    keyword = [SearchHit("f2", 5.0), SearchHit("f0", 3.0), SearchHit("f1", 3.0), SearchHit("f5", 1.0)]
+    # f2: 1/14 + 1/11; f1: 1/12 + 1/12; f5: 1/11 + 1/14 (rank 4, after the tie of two at rank 2)
+    assert rrf_fuse([dense, keyword], [1.0, 1.0], 10) == ["f1", "f5", "f2", "f0"]
 
 
 def test_expand_places_neighbours_after_the_strong_hits_within_k() -> None:
