@@ -64,11 +64,19 @@ def test_a_replica_that_does_not_answer_in_time_is_a_503() -> None:
 def test_a_dead_actor_is_a_503_with_retry_after() -> None:
     """Ray's ActorDiedError (a replica or shard killed mid-call) reaches the catch-all handler:
     the caller is told to come back, as for every other unavailable part."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
     from ray.exceptions import ActorDiedError
-    from starlette.requests import Request
 
-    from serve_app.ingress.errors import _server_error
+    from serve_app.ingress.errors import install_error_handlers
 
-    request = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [], "query_string": b""})
-    answer = asyncio.run(_server_error(request, ActorDiedError()))
+    api = FastAPI()
+    install_error_handlers(api)
+
+    @api.get("/dead")
+    def dead() -> None:
+        raise ActorDiedError()
+
+    answer = TestClient(api, raise_server_exceptions=False).get("/dead")
     assert answer.status_code == 503 and answer.headers["Retry-After"] == "5"
+    assert answer.json()["error"]["type"] == "server_error"
