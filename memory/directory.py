@@ -48,8 +48,9 @@ class UserDirectory:
         self._owners: dict[str, str] = {}
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "kvmem", timeout_s: float = 1.0) -> "UserDirectory":
-        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    def from_url(cls, url: str, prefix: str = "kvmem", timeout_s: float = 1.0, password: str | None = None) -> "UserDirectory":
+        """A directory over the Redis at `url` (`password`: its requirepass; one in the URL wins)."""
+        client = aioredis.Redis.from_url(url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         return cls(client, prefix)
 
     def cached_shard(self, user_id: str) -> int | None:
