@@ -298,7 +298,7 @@ def test_containers_are_offline_and_point_at_the_redis_service(rayservice: dict[
 
 def test_redis_is_persistent_and_reachable_through_its_service() -> None:
     documents = {doc["kind"]: doc for doc in yaml.safe_load_all(REDIS_PATH.read_text()) if doc}
-    assert set(documents) == {"PersistentVolumeClaim", "Deployment", "Service"}
+    assert set(documents) == {"PersistentVolumeClaim", "Deployment", "Service", "NetworkPolicy"}
     deployment, service, claim = documents["Deployment"], documents["Service"], documents["PersistentVolumeClaim"]
     pod = deployment["spec"]["template"]
     labels = pod["metadata"]["labels"]
