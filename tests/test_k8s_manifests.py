@@ -4,6 +4,8 @@ Its serveConfigV2 string, config.yaml and config.gpu.yaml are validated with Ray
 config schema (ray.serve.schema, shipped with Ray: nothing outside the repository is needed),
 every key of them must be one Serve's schema models define (they let unknown keys through), and
 their `args` must be ServiceSettings. k8s/redis.yaml is checked for the wiring RayService relies on.
+The lockdown (Redis password, Ray token auth, NetworkPolicies, no exposed Ray ports) is checked in
+tests/test_k8s_lockdown.py (this module is near the 400-line bound).
 
 The KubeRay RayService CRD (v1) is no Python package's file, so the check of the whole
 manifest against it (unknown fields rejected as `kubectl apply` does) runs only where

@@ -10,6 +10,7 @@ and the CLI, redis-py's AuthenticationError in the shard), not a hang or a wrong
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import secrets
@@ -145,3 +146,24 @@ def test_the_memory_shard_opens_redis_with_the_password(
             MemoryShard(0, without, str(smollm2_dir), "float32", settings.redis_url, uuid.uuid4().hex[:8]).store.r.ping()
     finally:
         shutil.rmtree(without.arena_dir, ignore_errors=True)
+
+
+REDIS_OPENERS = {"Redis", "StrictRedis", "FactStore", "UserDirectory", "KeyStore"}
+
+
+def test_every_redis_client_the_product_opens_is_given_the_password() -> None:
+    """Each call that opens Redis in a production module (redis-py's Redis(...) / Redis.from_url,
+    or one of the stores' from_url) names `password`: a client added later without it would work
+    on the loopback Redis of `make serve` and fail only in the cluster."""
+    from tests.test_layout import PRODUCT, python_files
+
+    missing = []
+    for path in python_files(*PRODUCT):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            target = node.func.value if isinstance(node.func, ast.Attribute) and node.func.attr == "from_url" else node.func
+            name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
+            if name in REDIS_OPENERS and "password" not in {k.arg for k in node.keywords}:
+                missing.append(f"{path.relative_to(Path(__file__).parents[1])}:{node.lineno}")
+    assert missing == []
