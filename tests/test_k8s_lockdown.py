@@ -39,8 +39,15 @@ RAYSERVICE_PATH = K8S / "rayservice.yaml"
 REDIS_PATH = K8S / "redis.yaml"
 RAY_PORTS = {"GCS": 6379, "dashboard": 8265, "Ray client": 10001}
 SERVE_PORT = 8000
-# labels KubeRay puts on every pod it creates for a RayCluster (besides the template's own)
-KUBERAY_POD_LABELS = {"ray.io/cluster": "kvmem-raycluster-x7k2p", "app.kubernetes.io/created-by": "kuberay-operator"}
+# labels KubeRay puts on every pod it creates for a RayCluster (labelPod in its pod builder; a
+# template's own label of the same key is kept); its head and serve Services select on some of them
+KUBERAY_POD_LABELS = {
+    "ray.io/is-ray-node": "yes",
+    "ray.io/cluster": "kvmem-raycluster-x7k2p",
+    "ray.io/identifier": "kvmem-raycluster-x7k2p-head",
+    "app.kubernetes.io/name": "kuberay",
+    "app.kubernetes.io/created-by": "kuberay-operator",
+}
 NAMESPACE = {"kubernetes.io/metadata.name": "default"}  # where the manifests are applied
 OTHER_NAMESPACE = {"kubernetes.io/metadata.name": "tenant-b"}
 
@@ -67,7 +74,7 @@ def ray_groups() -> dict[str, dict[str, Any]]:
 
 def ray_pod_labels(group: dict[str, Any]) -> dict[str, str]:
     """The labels a pod of this group has once KubeRay made it."""
-    return group["template"].get("metadata", {}).get("labels", {}) | KUBERAY_POD_LABELS
+    return KUBERAY_POD_LABELS | group["template"].get("metadata", {}).get("labels", {})
 
 
 def env_entry(container: dict[str, Any], name: str) -> dict[str, Any]:
@@ -254,6 +261,16 @@ def test_ray_reads_the_token_auth_variables_the_manifest_sets(tmp_path: Path) ->
     result = subprocess.run([sys.executable, "-c", probe], env=clean | env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", token]
+
+
+def test_the_pod_templates_leave_kuberays_own_labels_alone() -> None:
+    """KubeRay's head and serve Services select pods by its labels (app.kubernetes.io/name: kuberay,
+    ray.io/*); a template setting one of them keeps its own value and the Service finds no pod. The
+    NetworkPolicies select a label of this project's instead."""
+    for name, group in ray_groups().items():
+        labels = group["template"].get("metadata", {}).get("labels", {})
+        assert not set(labels) & set(KUBERAY_POD_LABELS), f"the {name} template overrides KubeRay's labels"
+        assert not [key for key in labels if key.startswith("ray.io/")], name
 
 
 @pytest.mark.parametrize("port_name", sorted(RAY_PORTS))
