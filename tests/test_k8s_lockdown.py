@@ -17,11 +17,17 @@ wiring and schemas):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,9 +255,8 @@ def test_ray_token_auth_is_on_for_the_head_and_every_worker() -> None:
 
 def test_ray_reads_the_token_auth_variables_the_manifest_sets(tmp_path: Path) -> None:
     """Ray's own loader, given the head container's auth variables (a HOME without ~/.ray/auth_token)."""
-    (container,) = ray_groups()["head"]["template"]["spec"]["containers"]
     token = secrets.token_hex(16)
-    env = {e["name"]: e.get("value", token) for e in container["env"] if e["name"].startswith("RAY_AUTH")}
+    env = head_auth_env(token)
     probe = (
         "from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode\n"
         "loader = AuthenticationTokenLoader.instance()\n"
@@ -271,6 +276,86 @@ def test_the_pod_templates_leave_kuberays_own_labels_alone() -> None:
         labels = group["template"].get("metadata", {}).get("labels", {})
         assert not set(labels) & set(KUBERAY_POD_LABELS), f"the {name} template overrides KubeRay's labels"
         assert not [key for key in labels if key.startswith("ray.io/")], name
+
+
+def head_auth_env(token: str) -> dict[str, str]:
+    """The head container's RAY_AUTH_* variables, `token` for the one read from the Secret."""
+    (container,) = ray_groups()["head"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value", token) for e in container["env"] if e["name"].startswith("RAY_AUTH")}
+
+
+@pytest.mark.slow
+def test_a_ray_head_with_the_manifests_auth_refuses_jobs_without_the_token() -> None:
+    """A real Ray head (`ray start`, no CPUs, ports of its own) with the head container's auth
+    variables: its jobs API (what KubeRay's dashboard port serves) refuses a job from a caller
+    without the token, which is what any pod could do before."""
+    token = secrets.token_hex(16)
+    home = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length bound
+    ports = {name: free_loopback_port() for name in ("port", "dashboard-port", "ray-client-server-port",
+                                                     "dashboard-agent-listen-port")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": home} | head_auth_env(token)
+    command = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--num-cpus=0",
+               "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--temp-dir={home}/ray",
+               "--disable-usage-stats", *(f"--{name}={port}" for name, port in ports.items())]
+    head = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    jobs = f"http://127.0.0.1:{ports['dashboard-port']}/api/jobs/"
+
+    def submit(authorization: str | None) -> int:
+        headers = {"Content-Type": "application/json"} | ({"Authorization": authorization} if authorization else {})
+        request = urllib.request.Request(jobs, data=b'{"entrypoint": "env"}', headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return answer.status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert head.poll() is None, "ray start exited"
+            try:
+                urllib.request.urlopen(jobs, timeout=2)
+            except urllib.error.HTTPError:
+                break  # the dashboard answers (401)
+            except OSError:
+                assert time.monotonic() < deadline, "the dashboard did not answer"
+                time.sleep(0.5)
+        assert submit(None) == 401
+        assert submit("Bearer guessed") == 403
+        assert submit(f"Bearer {token}") == 200
+    finally:
+        stop_session(head)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def session_members(session_id: int) -> list[int]:
+    """Pids of the processes in a session (Ray's workers make process groups of their own)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session_id:  # after "pid (comm)": state, ppid, pgrp, session
+                members.append(int(stat.parent.name))
+    return members
+
+
+def stop_session(leader: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, to every process of the session `leader` started (and only those)."""
+    for sig, grace_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        for pid in session_members(leader.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while leader.poll() is None or [p for p in session_members(leader.pid) if not zombie(p)]:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+
+
+def zombie(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return True
 
 
 @pytest.mark.parametrize("port_name", sorted(RAY_PORTS))
