@@ -314,7 +314,8 @@ def test_a_ray_head_with_the_manifests_auth_refuses_jobs_without_the_token() -> 
         while True:
             assert head.poll() is None, "ray start exited"
             try:
-                urllib.request.urlopen(jobs, timeout=2)
+                urllib.request.urlopen(jobs, timeout=2).close()
+                break  # the dashboard answers, and without a token: no auth
             except urllib.error.HTTPError:
                 break  # the dashboard answers (401)
             except OSError:
