@@ -3,7 +3,7 @@
 A real redis-server started with requirepass (devtools.local_redis, as k8s/redis.yaml runs it);
 the settings come from REDIS_URL and REDIS_PASSWORD as in the Kubernetes containers. Every place
 the service opens Redis is used as the service uses it: the ingress's routes (UserDirectory and
-KeyStore, serve_app.ingress.routes), the keys CLI, and the memory shard (FactStore). Without the
+KeyStore, serve_app.ingress.routes), the keys CLI, and the shard actor (its FactStore). Without the
 password each fails at once saying Redis refused it (StoreUnavailable naming REDIS_PASSWORD in the ingress
 and the CLI, redis-py's AuthenticationError in the shard), not a hang or a wrong answer.
 """
@@ -119,27 +119,34 @@ def test_a_redis_password_in_the_yaml_args_is_refused(service_env: None) -> None
 
 
 @pytest.mark.slow
-def test_the_memory_shard_opens_redis_with_the_password(
+def test_the_shard_actor_opens_redis_with_the_password(
     service_env: None, protected_redis: LocalRedis, smollm2_dir: Path
 ) -> None:
-    """MemoryShard as serve_app.replica.lifecycle starts it: the settings' password passed on."""
+    """start_shard_actor as serve_app.replica.lifecycle calls it: the settings' password reaches the
+    actor's MemoryShard and its FactStore, in a Ray worker process."""
+    import ray
+
+    from actors.shard_actor import start_shard_actor
     from memory.shard import MemoryShard
     from tests.test_memory_shard import shard_settings
 
     settings = ServiceSettings()
     memory = shard_settings(window_turns=0)
-    shard = MemoryShard(
-        0, memory, str(smollm2_dir), "float32", settings.redis_url, uuid.uuid4().hex[:8],
-        redis_password=settings.redis_password_value(),
-    )
+    ray.init(num_cpus=1, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     try:
-        (added,) = shard.add_facts("dave", [NewFact(text="Dave keeps bees.")])
+        actor = start_shard_actor(
+            0, memory, str(smollm2_dir), "float32", settings.redis_url, uuid.uuid4().hex[:8],
+            redis_password=settings.redis_password_value(),
+        )
+        ray.get(actor.ready.remote(), timeout=300)
+        (added,) = ray.get(actor.add_facts.remote("dave", [NewFact(text="Dave keeps bees.")]), timeout=120)
         assert added["event"] == "ADD"
         assert admin_client(protected_redis).exists(RedisKeys(memory.redis_prefix).fact(added["id"])), "not in Redis"
-        assert [fact.text for fact in shard.get_all("dave")] == ["Dave keeps bees."]
+        assert [fact.text for fact in ray.get(actor.get_all.remote("dave"), timeout=60)] == ["Dave keeps bees."]
     finally:
-        shard.arena.close()
+        ray.shutdown()
         shutil.rmtree(memory.arena_dir, ignore_errors=True)
+
     without = shard_settings(window_turns=0)
     try:
         with pytest.raises(redis.exceptions.AuthenticationError):
@@ -147,14 +154,13 @@ def test_the_memory_shard_opens_redis_with_the_password(
     finally:
         shutil.rmtree(without.arena_dir, ignore_errors=True)
 
-
-REDIS_OPENERS = {"Redis", "StrictRedis", "FactStore", "UserDirectory", "KeyStore"}
+REDIS_OPENERS = {"Redis", "StrictRedis", "FactStore", "UserDirectory", "KeyStore", "MemoryShard", "start_shard_actor"}
 
 
 def test_every_redis_client_the_product_opens_is_given_the_password() -> None:
-    """Each call that opens Redis in a production module (redis-py's Redis(...) / Redis.from_url,
-    or one of the stores' from_url) names `password`: a client added later without it would work
-    on the loopback Redis of `make serve` and fail only in the cluster."""
+    """Each call that opens Redis in a production module (redis-py's Redis(...) / Redis.from_url, one
+    of the stores' from_url, a MemoryShard or its actor) names a password: a client added later
+    without it would work on the loopback Redis of `make serve` and fail only in the cluster."""
     from tests.test_layout import PRODUCT, python_files
 
     missing = []
@@ -164,6 +170,6 @@ def test_every_redis_client_the_product_opens_is_given_the_password() -> None:
                 continue
             target = node.func.value if isinstance(node.func, ast.Attribute) and node.func.attr == "from_url" else node.func
             name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
-            if name in REDIS_OPENERS and "password" not in {k.arg for k in node.keywords}:
+            if name in REDIS_OPENERS and not any("password" in (k.arg or "") for k in node.keywords):
                 missing.append(f"{path.relative_to(Path(__file__).parents[1])}:{node.lineno}")
     assert missing == []
