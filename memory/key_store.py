@@ -83,8 +83,11 @@ class KeyStore:
         self._cache: dict[str, tuple[float, Principal | None]] = {}
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "kvmem", cache_ttl_s: float = 30.0, timeout_s: float = 1.0) -> "KeyStore":
-        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    def from_url(
+        cls, url: str, prefix: str = "kvmem", cache_ttl_s: float = 30.0, timeout_s: float = 1.0, password: str | None = None
+    ) -> "KeyStore":
+        """A key store over the Redis at `url` (`password`: its requirepass; one in the URL wins)."""
+        client = aioredis.Redis.from_url(url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         return cls(client, prefix, cache_ttl_s)
 
     def _key(self, digest: str) -> str:

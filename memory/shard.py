@@ -78,12 +78,15 @@ class MemoryShard:
         kv_dtype: str,
         redis_url: str,
         namespace: str = "default",
+        redis_password: str | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
         self.shard_id = shard_id
         self.settings = settings
-        self.store = FactStore.from_url(redis_url, settings.redis_prefix, timeout_s=settings.redis_timeout_s)
+        self.store = FactStore.from_url(
+            redis_url, settings.redis_prefix, timeout_s=settings.redis_timeout_s, password=redis_password
+        )
         # the arena first: a restarting replica may open it (engine start) while the rest loads
         geometry = arena_geometry_for(model_dir, kv_dtype, **settings.arena.model_dump(exclude={"device_pages"}))
         self._arena_path = settings.arena_path(namespace, shard_id)

@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from memory.settings import MemorySettings
 
 DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"  # the embedded default's folder in the model cache
+REDIS_PASSWORD_NAMES = ("redis_password", "REDIS_PASSWORD", "KVMEM_REDIS_PASSWORD")  # the setting and its variables
 
 
 def model_cache_dir() -> Path:
@@ -167,6 +168,13 @@ class ServiceSettings(BaseSettings):
         validation_alias=AliasChoices("redis_url", "REDIS_URL", "KVMEM_REDIS_URL"),
         description="Redis holding the durable memory records. `make serve` starts a local one when unset.",
     )
+    redis_password: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices(*REDIS_PASSWORD_NAMES),
+        description="Password of that Redis (its requirepass), given to every Redis client the service opens (ingress, "
+        "shards, keys_cli); from the environment (REDIS_PASSWORD, in Kubernetes from a Secret), never from the YAML. "
+        "A password inside redis_url wins over it.",
+    )
     served_model_name: str = Field("smollm2-135m-instruct", description="Model name reported by the API.")
     default_max_tokens: int = Field(
         256, gt=0, description="max_tokens when a request gives none (lowered to what the context has room for)."
@@ -273,7 +281,17 @@ class ServiceSettings(BaseSettings):
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> "ServiceSettings":
+        """Settings from the YAML `args` (and the environment). A Redis password in `args` is refused:
+        a Serve config is plain text (a RayService's serveConfigV2 is readable by whoever reads the
+        RayService), so the password comes from the environment only."""
+        given = set(args or {}) & set(REDIS_PASSWORD_NAMES)
+        if given:
+            raise ValueError(f"{sorted(given)[0]} in args: the Redis password comes from the environment (REDIS_PASSWORD)")
         return cls(**(args or {}))
+
+    def redis_password_value(self) -> str | None:
+        """The Redis password in clear, for redis-py (None: Redis asks for none)."""
+        return self.redis_password.get_secret_value() if self.redis_password else None
 
     def resolved_model(self) -> str:
         """The model to serve: engine.model, else the embedded default (SmolLM2-135M-Instruct,

@@ -4,6 +4,8 @@ Its serveConfigV2 string, config.yaml and config.gpu.yaml are validated with Ray
 config schema (ray.serve.schema, shipped with Ray: nothing outside the repository is needed),
 every key of them must be one Serve's schema models define (they let unknown keys through), and
 their `args` must be ServiceSettings. k8s/redis.yaml is checked for the wiring RayService relies on.
+The lockdown (Redis password, Ray token auth, NetworkPolicies, no exposed Ray ports) is checked in
+tests/test_k8s_lockdown.py (this module is near the 400-line bound).
 
 The KubeRay RayService CRD (v1) is no Python package's file, so the check of the whole
 manifest against it (unknown fields rejected as `kubectl apply` does) runs only where
@@ -298,7 +300,7 @@ def test_containers_are_offline_and_point_at_the_redis_service(rayservice: dict[
 
 def test_redis_is_persistent_and_reachable_through_its_service() -> None:
     documents = {doc["kind"]: doc for doc in yaml.safe_load_all(REDIS_PATH.read_text()) if doc}
-    assert set(documents) == {"PersistentVolumeClaim", "Deployment", "Service"}
+    assert set(documents) == {"PersistentVolumeClaim", "Deployment", "Service", "NetworkPolicy"}
     deployment, service, claim = documents["Deployment"], documents["Service"], documents["PersistentVolumeClaim"]
     pod = deployment["spec"]["template"]
     labels = pod["metadata"]["labels"]

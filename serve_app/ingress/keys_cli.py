@@ -7,7 +7,7 @@
 
 A key is either `--admin` or bound to at least one `--user`; anything else is refused before Redis
 is asked (as POST /v1/admin/keys refuses it). Redis and the key prefix come from the service
-settings (REDIS_URL, KVMEM_MEMORY__REDIS_PREFIX).
+settings (REDIS_URL, REDIS_PASSWORD, KVMEM_MEMORY__REDIS_PREFIX).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ async def run(args: argparse.Namespace) -> None:
     settings = ServiceSettings()
     if not settings.redis_url:
         raise SystemExit("set REDIS_URL (the Redis the service uses)")
-    store = KeyStore.from_url(settings.redis_url, settings.memory.redis_prefix)
+    store = KeyStore.from_url(settings.redis_url, settings.memory.redis_prefix, password=settings.redis_password_value())
     try:
         if args.command == "create":
             key, record = await store.create(args.user, admin=args.admin, label=args.label)

@@ -109,8 +109,9 @@ class ChatRoutes:
     def _init_routes(self, settings: ServiceSettings) -> None:
         self.settings = settings
         prefix = settings.memory.redis_prefix
-        self.directory = UserDirectory.from_url(settings.redis_url, prefix)
-        self.keys = KeyStore.from_url(settings.redis_url, prefix, settings.auth.cache_ttl_s)
+        password = settings.redis_password_value()
+        self.directory = UserDirectory.from_url(settings.redis_url, prefix, password=password)
+        self.keys = KeyStore.from_url(settings.redis_url, prefix, settings.auth.cache_ttl_s, password=password)
         self.auth = Authenticator(settings.auth, self.keys)
         self.max_body_bytes = settings.max_body_bytes  # the RequestGate's bound
         if getattr(self, "stage_seconds", None) is None:  # the LLM replica may have made it

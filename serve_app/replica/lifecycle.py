@@ -215,7 +215,8 @@ def start_backends(settings: "ServiceSettings", shard_id: int, model: str, kv_dt
 
     actor, engine = start_engine_and_shard(
         lambda: start_shard_actor(
-            shard_id, memory, model, kv_dtype, settings.redis_url, settings.namespace, settings.shard_num_gpus
+            shard_id, memory, model, kv_dtype, settings.redis_url, settings.namespace, settings.shard_num_gpus,
+            redis_password=settings.redis_password_value(),
         ),
         build_engine,
         arena_path,
