@@ -40,6 +40,11 @@ live in shared memory and outlive a crashed engine: its successor's scheduler cl
 (clear_pins) when it starts. Entries outlive a crashed owner too: each carries the owner's
 tag, and a restarted owner adopts the LIVE ones it recognises (live_entries) and releases
 the rest.
+
+Erasure: when an entry is freed (released, last unpin of a retired entry, pins cleared) its pages'
+token ids and KV bytes are zeroed in tables.bin and kv.bin under the lock, so the bytes of a
+deleted or replaced fact are gone from the host tier at once. The GPU worker's HBM copy of those
+pages is tagged with the old generation and is never read again (connector.device_tier).
 """
 
 from __future__ import annotations
@@ -168,6 +173,14 @@ class FactArena(ArenaTables):
                 return False
             self._free(ref.entry_id)
             return True
+
+    def _erase_pages(self, pages: np.ndarray) -> None:
+        """Zero the token ids and the KV bytes (every layer, K and V) of pages being freed."""
+        import torch
+
+        super()._erase_pages(pages)
+        slots = self._token_slots(pages, len(pages) * self.geometry.page_tokens)
+        self.kv.index_fill_(1, torch.from_numpy(slots), 0)
 
     def live_entries(self) -> list[tuple[EntryRef, bytes, np.ndarray]]:
         """(ref, tag (its 16 stored bytes), token ids) of every LIVE entry: what a restarted owner
