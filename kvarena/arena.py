@@ -44,7 +44,8 @@ the rest.
 Erasure: when an entry is freed (released, last unpin of a retired entry, pins cleared) its pages'
 token ids and KV bytes are zeroed in tables.bin and kv.bin under the lock, so the bytes of a
 deleted or replaced fact are gone from the host tier at once. The GPU worker's HBM copy of those
-pages is tagged with the old generation and is never read again (connector.device_tier).
+pages is tagged with the old generation, never read again, and zeroed at the worker's next step
+(connector.gpu_injector.GpuInjector.erase_freed_pages).
 """
 
 from __future__ import annotations

@@ -134,13 +134,14 @@ def test_deleted_facts_and_users_leave_no_text_tokens_or_kv_in_redis_files_or_th
         assert all(shard.kv.status(fact_id)["kv"] == "live" for fact_id in ids.values())
 
         def arena_traces(text: str) -> tuple[bytes, bytes]:
-            """The fact's token ids as the arena stores them (int32, little-endian) and the first
-            token's KV bytes of layer 0 (K and V), read from the arena while the fact lives."""
+            """The fact's token ids as the arena stores them (int32, little-endian) and its last
+            token's KV bytes in the last layer (K and V: they depend on every token before it, so
+            no other fact has them; layer 0's first token is the same "-" of every fact)."""
             ref = shard.facts[ids[text]].ref
             view = shard.arena.pin(ref.entry_id, ref.generation)
             shard.arena.unpin(ref.entry_id, ref.generation)
             tokens = shard.arena.entry_token_ids(view).astype("<i4").tobytes()
-            kv = shard.arena.entry_kv(view)[0, 0].contiguous().numpy().tobytes()
+            kv = shard.arena.entry_kv(view)[-1, -1].contiguous().numpy().tobytes()
             return tokens, kv
 
         traces = {text: arena_traces(text) for text in ids}
