@@ -124,10 +124,11 @@ def test_deleted_facts_and_users_leave_no_text_tokens_or_kv_in_redis_files_or_th
     try:
         kept_texts = ["Alice keeps a cactus named Prickly Zorblatt.", "Alice's locker code is Vermilion-4471."]
         deleted_text = "Alice hid the spare key under the gnome Quentarius."
+        replaced_text = "Alice's old bank PIN hint was Marzipan-Crocodile."  # updated: its old KV must go
         user_texts = ["Bob's secret recipe uses twelve Moravian cardamom pods.", "Bob once met a heron called Snerdwick."]
         turn_text = "Bob said his password hint is the colour of Tuesday-Oolong."
         shard.add_turns("bob", [Turn(turn_id="t1", speaker="Bob", text=turn_text, order=0)])
-        alice = shard.add_facts("alice", [NewFact(text=t) for t in [*kept_texts, deleted_text]])
+        alice = shard.add_facts("alice", [NewFact(text=t) for t in [*kept_texts, deleted_text, replaced_text]])
         bob = shard.add_facts("bob", [NewFact(text=t) for t in user_texts])
         asyncio.run(driver.drain())  # every fact's KV is captured into the arena
         ids = {r["memory"]: r["id"] for r in alice + bob}
@@ -160,6 +161,10 @@ def test_deleted_facts_and_users_leave_no_text_tokens_or_kv_in_redis_files_or_th
 
         shard.delete(ids[deleted_text], "alice")
         assert shard.delete_all("bob") == 2
+        shard.update(ids[replaced_text], "alice", "Alice's bank PIN hint is now Gooseberry.")
+        asyncio.run(driver.drain())  # the new version's KV
+        old_tokens, old_kv = traces[replaced_text]
+        assert files_holding(arena_dir, old_tokens) == [] and files_holding(arena_dir, old_kv) == []
         wait_for(lambda: shard.compactor.rewrites >= 1 and redis_client.get(shard.store.keys.erasure_pending()) is None,
                  60, "the rewrite after the deletes")  # fmt: skip
 
@@ -172,7 +177,7 @@ def test_deleted_facts_and_users_leave_no_text_tokens_or_kv_in_redis_files_or_th
             assert len(files_holding(server.data_dir, text.encode())) == 2, text  # the rewritten AOF and RDB
             tokens, kv = traces[text]
             assert files_holding(arena_dir, tokens) and files_holding(arena_dir, kv), text
-        assert {h.fact_id for h in shard.search("alice", "spare key gnome", 10)} <= {ids[t] for t in kept_texts}
+        assert {h.fact_id for h in shard.search("alice", "spare key gnome", 10)} <= {ids[t] for t in [*kept_texts, replaced_text]}
         assert shard.search("bob", "cardamom heron", 10) == []
         assert shard.retrieval.keyword is not None and shard.retrieval.keyword.search("alice", "Quentarius gnome", 10) == []
     finally:
