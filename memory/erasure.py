@@ -70,6 +70,11 @@ class RedisCompactor:
                 self._pending_since = self.clock()
             self._wake.notify()
 
+    def resume(self) -> None:
+        """At start: request the rewrite a previous incarnation (or another shard) still owes."""
+        if self.r.exists(self.marker_key):
+            self.request()
+
     def close(self) -> None:
         with self._wake:
             self._closed = True

@@ -128,7 +128,7 @@ class MemoryShard:
         self.read_repair = ReadRepair(self)  # users whose last write's Redis call failed (module docstring)
         self.compactor = RedisCompactor(self.store.r, self.store.keys.erasure_pending(), settings.erasure, name=f"shard {shard_id}")
         self._rebuild()
-        self.compactor.request()  # a rewrite a previous incarnation owed (a no-op when none is)
+        self.compactor.resume()  # a rewrite a previous incarnation owed
 
     # ================================================================== start-up
     def _rebuild(self) -> None:
