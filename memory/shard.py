@@ -221,20 +221,24 @@ class MemoryShard:
 
     def delete(self, fact_id: str, user_id: str) -> FactRecord:
         self.read_repair.repair(user_id)
-        with self.read_repair.writing(user_id):
-            record = self.store.delete(fact_id, user_id)
+        try:
+            with self.read_repair.writing(user_id):
+                record = self.store.delete(fact_id, user_id)
+        finally:  # even when the reply was lost (the delete may have landed): the text leaves
+            self.compactor.request()  # Redis's files at the next rewrite (memory.erasure)
         self.forget(fact_id)
-        self.compactor.request()  # the text leaves Redis's files at the next rewrite (memory.erasure)
         return record
 
     def delete_all(self, user_id: str) -> int:
-        with self.read_repair.writing(user_id):
-            ids = self.store.delete_all(user_id)
+        try:
+            with self.read_repair.writing(user_id):
+                ids = self.store.delete_all(user_id)
+        finally:
+            self.compactor.request()
         for fact_id in ids:
             self.forget(fact_id)
         self.index.clear_user(user_id)
         self.retrieval.clear_user(user_id)
-        self.compactor.request()
         return len(ids)
 
     def track_version(self, record: FactRecord, vector: np.ndarray) -> None:
