@@ -104,10 +104,12 @@ class RedisCompactor:
                 if self._closed:
                     return
                 self._pending_since = None  # requests from now on ask for the next rewrite
-                self._last_rewrite_at = self.clock()
+            started = self.clock()
             try:
-                self.compact_now()
+                if self.compact_now():
+                    self._last_rewrite_at = started  # the interval counts from a rewrite that ran
             except Exception as exc:  # noqa: BLE001 - Redis away or refusing: owed still, retried
+                self._last_rewrite_at = started  # retried after the interval, not in a loop
                 self.failures += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 logger.warning("%s: Redis rewrite after a delete failed (retried in %.0f s): %s",
