@@ -135,11 +135,11 @@ def test_deleted_facts_and_users_leave_no_text_tokens_or_kv_in_redis_files_or_th
         ids = {r["memory"]: r["id"] for r in alice + bob}
         assert all(shard.kv.status(fact_id)["kv"] == "live" for fact_id in ids.values())
 
-        def arena_traces(text: str) -> tuple[bytes, bytes]:
+        def arena_traces(text: str, fact_id: str | None = None) -> tuple[bytes, bytes]:
             """The fact's token ids as the arena stores them (int32, little-endian) and its last
             token's KV bytes in the last layer (K and V: they depend on every token before it, so
             no other fact has them; layer 0's first token is the same "-" of every fact)."""
-            ref = shard.facts[ids[text]].ref
+            ref = shard.facts[fact_id or ids[text]].ref
             view = shard.arena.pin(ref.entry_id, ref.generation)
             shard.arena.unpin(ref.entry_id, ref.generation)
             tokens = shard.arena.entry_token_ids(view).astype("<i4").tobytes()
@@ -160,6 +160,12 @@ def test_deleted_facts_and_users_leave_no_text_tokens_or_kv_in_redis_files_or_th
             assert files_holding(arena_dir, tokens) and files_holding(arena_dir, kv), text
         assert len(files_holding(server.data_dir, turn_text.encode())) == 2  # AOF and snapshot
 
+        # the fact to delete gets a second version first: its history then holds both texts
+        deleted_v2 = "Alice moved the spare key into the birdhouse of Quentarius."
+        shard.update(ids[deleted_text], "alice", deleted_v2)
+        asyncio.run(driver.drain())
+        traces[deleted_v2] = arena_traces(deleted_v2, ids[deleted_text])
+        assert [e.old_text for e in shard.history(ids[deleted_text], "alice")] == [None, deleted_text]
         shard.delete(ids[deleted_text], "alice")
         assert shard.delete_all("bob") == 2
         shard.update(ids[replaced_text], "alice", "Alice's bank PIN hint is now Gooseberry.")
@@ -169,9 +175,9 @@ def test_deleted_facts_and_users_leave_no_text_tokens_or_kv_in_redis_files_or_th
         wait_for(lambda: shard.compactor.rewrites >= 1 and redis_client.get(shard.store.keys.erasure_pending()) is None,
                  60, "the rewrite after the deletes")  # fmt: skip
 
-        for text in [deleted_text, *user_texts, turn_text]:
+        for text in [deleted_text, deleted_v2, *user_texts, turn_text]:
             assert files_holding(server.data_dir, text.encode()) == [], text
-        for text in [deleted_text, *user_texts]:
+        for text in [deleted_text, deleted_v2, *user_texts]:
             tokens, kv = traces[text]
             assert files_holding(arena_dir, tokens) == [] and files_holding(arena_dir, kv) == [], text
         for text in kept_texts:
