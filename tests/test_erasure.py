@@ -110,6 +110,26 @@ def test_a_rewrite_owed_before_a_restart_is_made_by_the_next_compactor(server: L
         compactor.close()
 
 
+def test_a_rewrite_that_forked_before_the_delete_is_waited_out_and_followed_by_a_fresh_one(server: LocalRedis) -> None:
+    """A rewrite already running when the delete lands holds the text in its snapshot (its child
+    forked before): the compactor waits for it to end, then rewrites again. Redis's own
+    `rdb-key-save-delay` (a test setting of redis-server) makes that first rewrite last."""
+    store = FactStore.from_url(server.url, prefix="erase")
+    records = [store.add("u", NewFact(text=f"Slow-rewrite secret {i}: kv{i}-okapi."), np.zeros(4, dtype=np.float32))[0] for i in range(8)]
+    store.r.config_set("rdb-key-save-delay", 100_000)  # 0.1 s per key in the child: ~1.5 s per rewrite
+    store.r.bgrewriteaof()  # someone else's rewrite, forked now, before the delete
+    assert store.r.info("persistence")["aof_rewrite_in_progress"] == 1
+    store.delete(records[0].fact_id, "u")
+    compactor = RedisCompactor(store.r, store.keys.erasure_pending(), ErasureSettings(rewrite_delay_s=0, poll_s=0.02))
+    try:
+        compactor.request()
+        wait_for(lambda: compactor.rewrites == 1, 60, "the compactor's own rewrite")
+        assert files_holding(server.data_dir, b"kv0-okapi") == []  # the running rewrite alone would have kept it
+        assert files_holding(server.data_dir, b"kv1-okapi")
+    finally:
+        compactor.close()
+
+
 # ---------------------------------------------------------------------------- the whole erasure
 @pytest.mark.slow
 def test_deleted_facts_and_users_leave_no_text_tokens_or_kv_in_redis_files_or_the_arena(
