@@ -10,6 +10,8 @@ the layers into the groups whose host-tier copies overlap the forward.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 
@@ -90,6 +92,16 @@ class DeviceTierMap:
         self.slot_tag[slots] = -1
         self.page_slot[resident] = -1
         return resident
+
+    def stale_slots(self, owner_of: "Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]") -> np.ndarray:
+        """Held slots whose page now belongs to no entry, or to another entry generation (the
+        entry was freed, and maybe the page reused): their bytes are a freed entry's. `owner_of`
+        gives pages' current (entry, generation), as the arena says."""
+        held = np.flatnonzero(self.slot_page >= 0)
+        if not len(held):
+            return held
+        entries, generations = owner_of(self.slot_page[held])
+        return held[(self.slot_tag[held, 0] != entries) | (self.slot_tag[held, 1] != generations)]
 
     def drop_all(self) -> np.ndarray:
         """Forget every resident page; returns the pages that were resident."""

@@ -5,7 +5,8 @@ pinned in place and mapped into the device (connector.host_pinning), and an HBM 
 `device_pages` pages bookkept by connector.device_tier.DeviceTierMap (tagged by entry
 generation, promotion on use: pages an injection reads completely are copied in and kept, LRU
 demotion when full). Residency is published to the arena's `page_device` table for the
-owner's accounting.
+owner's accounting. Erasure: each step first zeroes and forgets the HBM copies of pages whose
+entry the arena freed meanwhile (erase_freed_pages), as the arena zeroes the host tier.
 
 Injection per step (GpuInjector.inject): tokens whose page is resident are injected from the
 HBM tier by one fused kernel over all layers on the compute stream. Other tokens are read by
@@ -46,6 +47,7 @@ class InjectorStats:
     evicted_pages: int = 0
     captured_tokens: int = 0
     unwaited_groups: int = 0
+    erased_pages: int = 0  # HBM-tier copies of freed entries' pages zeroed (erase_freed_pages)
     inject_cpu_s: float = 0.0  # host time spent issuing injection work (start_load_kv)
 
     def as_dict(self) -> dict[str, float]:
@@ -189,6 +191,7 @@ class GpuInjector:
         if int(np.abs(distances).max()) > self.max_distance:
             raise ValueError(f"position distance beyond the rotary table ({self.max_distance})")
         self.join()
+        self.erase_freed_pages()
         pt = self.page_tokens
         # pages as runs of consecutive tokens (an entry's tokens fill its pages in order), not
         # np.unique: a sort of every token costs more than the whole lookup; a page met in two
@@ -311,6 +314,7 @@ class GpuInjector:
         if len(cache_slots) == 0:
             return
         self.join()
+        self.erase_freed_pages()
         self.stats.captured_tokens += len(cache_slots)
         pt = self.page_tokens
         slots_d, rows_d = self._to_device(cache_slots, arena_slots)
@@ -336,6 +340,20 @@ class GpuInjector:
                 self.kernels.extract(self.cache, slots_k, self.tier, rows_k)
         if self.on_cuda:
             torch.cuda.current_stream(self.device).synchronize()  # the owner commits once generate returns
+
+    def erase_freed_pages(self) -> int:
+        """Zero the HBM copies of pages whose entry the arena freed since they were copied in
+        (a deleted or replaced fact's KV must not linger in device memory) and forget them.
+        Called at the start of each injection and capture step; a freed entry is zeroed in the
+        host tier by the arena itself. Returns how many slots were zeroed."""
+        stale = self.tier_map.stale_slots(self._owners)
+        if not len(stale):
+            return 0
+        self.tier_map.drop_pages(self.tier_map.slot_page[stale].copy())
+        rows = (stale[:, None] * self.page_tokens + np.arange(self.page_tokens)).reshape(-1)
+        self.tier.index_fill_(1, torch.from_numpy(rows).to(self.device), 0)
+        self.stats.erased_pages += len(stale)
+        return len(stale)
 
     def drop_device_tier(self, entry_ids: list[int] | None = None) -> int:
         """Forget HBM-resident pages (all, or those of `entry_ids`): the host tier is authoritative."""

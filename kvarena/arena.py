@@ -40,6 +40,12 @@ live in shared memory and outlive a crashed engine: its successor's scheduler cl
 (clear_pins) when it starts. Entries outlive a crashed owner too: each carries the owner's
 tag, and a restarted owner adopts the LIVE ones it recognises (live_entries) and releases
 the rest.
+
+Erasure: when an entry is freed (released, last unpin of a retired entry, pins cleared) its pages'
+token ids and KV bytes are zeroed in tables.bin and kv.bin under the lock, so the bytes of a
+deleted or replaced fact are gone from the host tier at once. The GPU worker's HBM copy of those
+pages is tagged with the old generation, never read again, and zeroed at the worker's next step
+(connector.gpu_injector.GpuInjector.erase_freed_pages).
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ class FactArena(ArenaTables):
         numel = g.num_layers * g.num_token_slots * 2 * g.num_kv_heads * g.head_size
         flat = torch.from_file(str(self.path / "kv.bin"), shared=True, size=numel, dtype=g.torch_dtype)
         self.kv = flat.view(g.num_layers, g.num_token_slots, 2, g.num_kv_heads, g.head_size)
+        self._kv_bytes = self.kv.view(torch.uint8).numpy()  # the same bytes, for erasure (_erase_pages)
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -168,6 +175,20 @@ class FactArena(ArenaTables):
                 return False
             self._free(ref.entry_id)
             return True
+
+    def _erase_pages(self, pages: np.ndarray) -> None:
+        """Zero the token ids and the KV bytes (every layer, K and V) of pages being freed. A run of
+        consecutive pages is one slice per layer, zeroed through a numpy view: a memset per layer on
+        this thread (torch's index_fill_ or zero_ go through its thread pool, ms per entry when the
+        host is busy)."""
+        super()._erase_pages(pages)
+        if not len(pages):
+            return
+        pt = self.geometry.page_tokens
+        ordered = np.sort(pages.astype(np.int64))
+        breaks = np.flatnonzero(np.diff(ordered) != 1) + 1
+        for run in np.split(ordered, breaks):
+            self._kv_bytes[:, int(run[0]) * pt : (int(run[-1]) + 1) * pt] = 0
 
     def live_entries(self) -> list[tuple[EntryRef, bytes, np.ndarray]]:
         """(ref, tag (its 16 stored bytes), token ids) of every LIVE entry: what a restarted owner

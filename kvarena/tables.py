@@ -12,6 +12,9 @@ Layer 2 of the arena (kvarena.arena's docstring names all three). tables.bin hol
 ArenaTables maps them (numpy views of one memmap), owns the `lock` file (fcntl) and a thread
 lock, and has the record-level helpers the arena's operations share. No torch, no vLLM.
 
+Erasure: freeing an entry zeroes its pages' token ids (and, in kvarena.arena, their KV bytes),
+so a deleted fact's tokens and KV do not outlive it in the shared-memory files.
+
 Entry states: FREE -> WRITING (allocated, capture in flight) -> LIVE (committed) ->
 RETIRED (released while pinned) -> FREE.
 """
@@ -140,13 +143,19 @@ class ArenaTables:
 
     def _free(self, entry_id: int) -> None:
         record = self.entries[entry_id]
-        pages = record["pages"][: record["n_pages"]]
+        pages = record["pages"][: record["n_pages"]].copy()
+        self._erase_pages(pages)  # a freed entry keeps no trace of what it held (erasure)
         self.page_owner[pages] = -1
         self.page_device[pages] = -1  # the worker's copy is stale now (it checks generations)
         record["n_pages"] = 0
         record["n_tokens"] = 0
         record["tag"] = NO_TAG
         record["state"] = FREE
+
+    def _erase_pages(self, pages: np.ndarray) -> None:
+        """Zero the token ids of `pages` (FactArena zeroes their KV bytes too). Called under the
+        lock as the pages are freed: on delete, on update, on eviction, on a user's delete."""
+        self.token_ids[self._token_slots(pages, len(pages) * self.geometry.page_tokens)] = 0
 
     def _token_slots(self, pages: np.ndarray, n_tokens: int) -> np.ndarray:
         page_tokens = self.geometry.page_tokens

@@ -202,7 +202,8 @@ class FactStore:
     def delete(self, fact_id: str, user_id: str) -> FactRecord:
         """Erase a fact: its text, source and embedding leave Redis, its history keeps the events
         without text, and only the owner and a deletion mark stay (so the id keeps answering 404
-        to others and its history to its owner)."""
+        to others and its history to its owner). The same transaction raises the erasure marker:
+        Redis's files are rewritten after it (memory.erasure)."""
         old = self.get(fact_id, user_id)
         now = time.time()
         events = [FactEvent.model_validate_json(x) for x in self.r.lrange(self._history(fact_id), 0, -1)]
@@ -214,6 +215,7 @@ class FactStore:
         pipe.hset(self._fact(fact_id), mapping={"user_id": json.dumps(user_id), "version": old.version, "deleted": "1", "updated_at": now})
         pipe.delete(self._history(fact_id))
         pipe.rpush(self._history(fact_id), *[e.model_copy(update={"old_text": None, "new_text": None}).model_dump_json() for e in events])
+        pipe.incr(self.keys.erasure_pending())  # Redis's files owe a rewrite (memory.erasure)
         pipe.execute()
         return old
 
@@ -232,6 +234,7 @@ class FactStore:
             pipe.delete(self._user(user_id, what))
         if shard is not None:
             pipe.srem(self.keys.shard_users(int(shard)), user_id)
+        pipe.incr(self.keys.erasure_pending())  # the turns' text too: Redis's files owe a rewrite
         pipe.execute()
         return ids
 

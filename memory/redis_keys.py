@@ -12,6 +12,8 @@ The shard writes through memory.fact_store.FactStore; the ingress reads the rout
     P:user:{u}:turn_order     sorted set of turn ids by conversation order
     P:user:{u}:shard          the shard holding the user's memory
     P:shard:{s}:users         set of users assigned to shard s
+    P:erasure:pending         counter, raised by every delete's transaction: Redis's files still
+                              hold deleted text until a rewrite clears it (memory.erasure)
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class RedisKeys:
 
     def shard_users(self, shard: int) -> str:
         return f"{self.prefix}:shard:{shard}:users"
+
+    def erasure_pending(self) -> str:
+        return f"{self.prefix}:erasure:pending"
 
 
 def stable_shard(user_id: str, num_shards: int) -> int:

@@ -25,6 +25,27 @@ class ArenaCapacity(BaseModel):
     )
 
 
+class ErasureSettings(BaseModel):
+    """How deleted text leaves Redis's files (memory.erasure): coalesced, rate-limited rewrites."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    compact_redis: bool = Field(
+        True, description="Rewrite Redis's append-only file (and RDB snapshot) after deletes, so deleted text leaves its disk."
+    )
+    rewrite_delay_s: float = Field(
+        2.0, ge=0, description="Seconds a rewrite waits after the first delete owing one, so a burst of deletes shares it."
+    )
+    rewrite_min_interval_s: float = Field(
+        60.0, ge=0, description="Least seconds between two rewrites of one shard (a rewrite copies the whole dataset)."
+    )
+    rewrite_rdb: bool = Field(
+        True, description="Also BGSAVE after the AOF rewrite when Redis keeps RDB snapshots (its `save` setting not empty)."
+    )
+    rewrite_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one Redis rewrite or save to finish before it is retried.")
+    poll_s: float = Field(0.1, gt=0, description="Seconds between checks of whether Redis finished a rewrite.")
+
+
 class MemorySettings(BaseModel):
     """How each shard stores, encodes and retrieves a user's memory."""
 
@@ -96,6 +117,7 @@ class MemorySettings(BaseModel):
     )
     arena_dir: str = Field("/dev/shm", description="Folder for the shared-memory KV arenas (one per shard).")
     arena: ArenaCapacity = Field(default_factory=ArenaCapacity)
+    erasure: ErasureSettings = Field(default_factory=ErasureSettings, description="Redis file rewrites after deletes.")
     index: IndexSettings = Field(default_factory=IndexSettings)
     retrieval: RetrievalSettings = Field(
         default_factory=RetrievalSettings, description="How facts are ranked: dense, keyword (BM25) or both (memory.retrieval)."

@@ -24,6 +24,11 @@ that user's records and takes Redis's word (memory.read_repair: adopts records i
 Redis no longer has, takes new versions). An encode that keeps failing is
 given up after `max_encode_attempts`; the fact is then served as text and its record (get) and
 the shard's stats say why.
+
+Erasure: a delete (of a fact, or of a user) is acknowledged once its Redis transaction is on disk;
+its arena entry is freed, which zeroes its token ids and KV bytes (kvarena), it leaves the vector
+and keyword indexes, and memory.erasure.RedisCompactor rewrites Redis's files soon after, coalesced
+and rate-limited, so the text leaves the append-only file and any RDB snapshot too.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from kvarena.arena import ArenaError, FactArena, arena_geometry_for
 from memory.composition import user_namespace, user_salt
 from memory.chat_query import ChatQuery
 from memory.embedder import Embedder
+from memory.erasure import RedisCompactor
 from memory.fact_selection import FactSelector
 from memory.fact_store import FactStore
 from memory.records import FactEvent, FactRecord, MemoryHit, NewFact, Turn
@@ -123,7 +129,9 @@ class MemoryShard:
             retriever=self.retrieval, embedder=self.embedder, facts=self.facts, layout=self.layout, default_top_k=settings.top_k
         )
         self.read_repair = ReadRepair(self)  # users whose last write's Redis call failed (module docstring)
+        self.compactor = RedisCompactor(self.store.r, self.store.keys.erasure_pending(), settings.erasure, name=f"shard {shard_id}")
         self._rebuild()
+        self.compactor.resume()  # a rewrite a previous incarnation owed
 
     # ================================================================== start-up
     def _rebuild(self) -> None:
@@ -216,14 +224,20 @@ class MemoryShard:
 
     def delete(self, fact_id: str, user_id: str) -> FactRecord:
         self.read_repair.repair(user_id)
-        with self.read_repair.writing(user_id):
-            record = self.store.delete(fact_id, user_id)
+        try:
+            with self.read_repair.writing(user_id):
+                record = self.store.delete(fact_id, user_id)
+        finally:  # even when the reply was lost (the delete may have landed): the text leaves
+            self.compactor.request()  # Redis's files at the next rewrite (memory.erasure)
         self.forget(fact_id)
         return record
 
     def delete_all(self, user_id: str) -> int:
-        with self.read_repair.writing(user_id):
-            ids = self.store.delete_all(user_id)
+        try:
+            with self.read_repair.writing(user_id):
+                ids = self.store.delete_all(user_id)
+        finally:
+            self.compactor.request()
         for fact_id in ids:
             self.forget(fact_id)
         self.index.clear_user(user_id)
@@ -323,6 +337,7 @@ class MemoryShard:
             "users_unsure": len(self.read_repair.unsure),  # a write of theirs failed; resynced from Redis when it answers
             "users_resynced_total": self.read_repair.resynced,
             "pending_encodes": self.pending_encodes(),
+            **self.compactor.stats(),  # Redis file rewrites after deletes (memory.erasure)
             "index_vectors": len(self.index),
             **self.retrieval.stats(),  # retriever, keyword_facts, keyword_users_dirty, keyword_rebuilds_total
             "index_backend": f"{type(self.index).__name__} on {getattr(self.index, 'device', 'cpu')}",  # CagraIndex | ExactIndex

@@ -255,3 +255,43 @@ def test_pin_columns_gives_each_entrys_token_slots_concatenated_in_the_order_ask
     assert int(arena.entries["pins"].sum()) == 0
     stale = arena.pin_columns(np.array([refs[0].entry_id, refs[1].entry_id]), np.array([refs[0].generation, refs[1].generation + 1]))
     assert stale[0] is None and stale[1].tolist() == [True, False] and int(arena.entries["pins"].sum()) == 0
+
+
+def _write_kv(arena: FactArena, ref: EntryRef, value: float) -> None:
+    view = arena.writing_view(ref.entry_id, ref.generation)
+    arena.kv[:, torch.from_numpy(view.token_slots)] = value  # what the worker's capture does
+
+
+def test_a_freed_entry_leaves_no_token_ids_or_kv_bytes_in_the_arena_files(arena: FactArena) -> None:
+    """Erasure: freeing an entry (release, the last unpin of a retired entry, pins cleared by a new
+    scheduler) zeroes its token ids in tables.bin and its KV in kv.bin; a kept entry is untouched.
+    The files are read back as bytes, as another process (or an attacker with the files) would."""
+    from connector.scheduler import KVMemoryScheduler
+
+    def tokens(base: int, n: int) -> list[int]:
+        return list(range(base, base + n))
+
+    kept, released, retired, cleared = (arena.allocate(tokens(1000 * (i + 1), 10), 0) for i in range(4))
+    for i, ref in enumerate((kept, released, retired, cleared)):
+        _write_kv(arena, ref, 1.5 + i)  # each entry's KV a value of its own
+        arena.commit(ref)
+
+    def in_files(ref_tokens: list[int], kv_value: float) -> tuple[bool, bool]:
+        tables = (arena.path / "tables.bin").read_bytes()
+        kv = np.fromfile(arena.path / "kv.bin", dtype=np.float32)
+        return np.asarray(ref_tokens, dtype="<i4").tobytes() in tables, bool((kv == kv_value).any())
+
+    assert all(in_files(tokens(1000 * (i + 1), 10), 1.5 + i) == (True, True) for i in range(4))  # the scan finds them
+    assert arena.release(released) is True
+    arena.pin(retired.entry_id, retired.generation)
+    assert arena.release(retired) is False  # retired: a request still reads it, nothing is zeroed yet
+    assert in_files(tokens(3000, 10), 3.5) == (True, True)
+    arena.unpin(retired.entry_id, retired.generation)  # the last unpin frees it
+    arena.pin(cleared.entry_id, cleared.generation)
+    arena.release(cleared)
+    KVMemoryScheduler(arena, block_size=8)  # a new engine's scheduler clears the dead one's pins
+    for i in (1, 2, 3):
+        assert in_files(tokens(1000 * (i + 1), 10), 1.5 + i) == (False, False)
+    assert in_files(tokens(1000, 10), 1.5) == (True, True)  # the kept entry is whole
+    view = arena.pin(kept.entry_id, kept.generation)
+    assert arena.entry_token_ids(view).tolist() == tokens(1000, 10) and bool((arena.entry_kv(view) == 1.5).all())

@@ -275,3 +275,36 @@ def test_gpu_injector_host_tier_only(ti, shm_path) -> None:
     assert injector.stats.miss_tokens == 23 and injector.stats.promoted_pages == 0
     assert arena.usage()["device_pages_resident"] == 0
     arena.close()
+
+
+def test_gpu_injector_zeroes_the_hbm_copy_of_a_freed_entry(ti, shm_path) -> None:
+    """Erasure in the device tier: an entry freed in the arena (a deleted fact) leaves no bytes in
+    the HBM tier after the worker's next step, and its pages are no longer resident; a kept
+    entry's copy stays and is still hit."""
+    from connector.gpu_injector import GpuInjector
+
+    heads, head_size, layers = 2, 64, 3
+    arena = _arena(shm_path, "float32", head_size, heads, layers)
+    caches = _caches(layers, 16, 16, heads, head_size, torch.float32, False)
+    injector = GpuInjector(arena, caches, _repositioner("llama3", head_size), device_pages=6)
+    kept, deleted = arena.allocate(list(range(10)), 0), arena.allocate(list(range(100, 120)), 0)
+    for ref, value in ((kept, 3.0), (deleted, 7.0)):
+        arena.kv[:, torch.from_numpy(arena.writing_view(ref.entry_id, ref.generation).token_slots)] = value
+        arena.commit(ref)
+
+    def inject(ref) -> None:
+        view = arena.pin(ref.entry_id, ref.generation)
+        injector.inject(view.token_slots, np.arange(view.n_tokens), np.zeros(view.n_tokens, dtype=np.int64), layerwise=False)
+        injector.join()
+        arena.unpin(ref.entry_id, ref.generation)
+
+    inject(kept)
+    inject(deleted)
+    assert injector.stats.promoted_pages == 2 + 3 and bool((injector.tier == 7.0).any())  # both copied into HBM
+    arena.release(deleted)
+    hits = injector.stats.hit_tokens
+    inject(kept)  # the next step
+    assert not bool((injector.tier == 7.0).any()) and injector.stats.erased_pages == 3
+    assert injector.tier_map.resident_pages() == 2 and injector.stats.hit_tokens == hits + 10
+    assert bool((injector.tier == 3.0).any())
+    arena.close()

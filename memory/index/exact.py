@@ -84,6 +84,7 @@ class _UserBlock:
             moved = self.ids[last]
             self.ids[r] = moved
             self.pos[moved] = r
+        self.mat[last].zero_()  # the vacated row keeps no copy of a deleted fact's embedding
         self.ids.pop()
         self.n = last
 
