@@ -167,14 +167,14 @@ class AddLimits(BaseModel):
 
     def refusal(self, request: Any) -> tuple[str, str] | None:
         """(message, param) for an AddMemoryRequest past a limit, else None."""
-        turns = [("turns", i, t.text) for i, t in enumerate(request.turns or [])]
-        turns += [("messages", i, m.content) for i, m in enumerate(request.messages or [])]
+        turns = [(f"turns.{i}.text", t.text) for i, t in enumerate(request.turns or [])]
+        turns += [(f"messages.{i}.content", m.content) for i, m in enumerate(request.messages or [])]
         if len(turns) > self.max_turns:
             field = "turns" if request.turns else "messages"
             return f"this add records {len(turns)} turns and messages; at most {self.max_turns} per add (add_limits.max_turns)", field
-        for field, i, text in turns:
+        for field, text in turns:
             if len(text) > self.max_turn_chars:
-                return f"{field}.{i} holds {len(text)} characters; at most {self.max_turn_chars} (add_limits.max_turn_chars)", f"{field}.{i}"
+                return f"{field} holds {len(text)} characters; at most {self.max_turn_chars} (add_limits.max_turn_chars)", field
         facts = request.facts or []
         if len(facts) > self.max_facts:
             return f"this add gives {len(facts)} facts; at most {self.max_facts} per add (add_limits.max_facts)", "facts"

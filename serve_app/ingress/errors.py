@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from memory.records import QuotaExceeded
 from serve_app.protocol import ChatCompletionChunk, ChatCompletionResponse, ErrorResponse, NotFound, RequestRejected
 
 logger = logging.getLogger(__name__)
@@ -53,12 +54,12 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 class RefusalsAreNotFailures(logging.Filter):
     """For the `ray.serve` logger of a replica: Ray Serve logs every exception a deployment method
-    raises, with its traceback, as a failed request; a refusal (RequestRejected, NotFound: the
-    client gets a 4xx) is not a failure of the replica."""
+    raises, with its traceback, as a failed request; a refusal (RequestRejected, NotFound,
+    QuotaExceeded: the client gets a 4xx) is not a failure of the replica."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return not isinstance(error, (RequestRejected, NotFound))
+        return not isinstance(error, (RequestRejected, NotFound, QuotaExceeded))
 
 
 def error_type(status: int) -> str:
