@@ -14,10 +14,10 @@ import json
 from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from memory.quota import redis_memory_report
-from memory.records import StoreUnavailable, is_fact_id
+from memory.records import StoreFull, StoreUnavailable, is_fact_id
 from memory.redis_keys import RedisKeys, stable_shard
 
 T = TypeVar("T")
@@ -32,6 +32,8 @@ def redis_unavailable(what: str) -> Callable[[Callable[..., Awaitable[T]]], Call
         async def called(*args: Any, **kwargs: Any) -> T:
             try:
                 return await method(*args, **kwargs)
+            except OutOfMemoryError as exc:  # maxmemory, noeviction: the write was refused, nothing changed
+                raise StoreFull(f"the {what} (Redis) is full and refused the write: {exc}") from exc
             except RedisError as exc:
                 raise StoreUnavailable(f"{what} (Redis) unavailable: {exc}") from exc
 

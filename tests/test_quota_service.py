@@ -100,11 +100,13 @@ def test_a_write_redis_refuses_for_memory_is_507_and_changes_nothing(service: st
     try:
         full = add(service, {"user_id": "ida", "facts": ["Ida dives."],
                              "turns": [{"turn_id": "t1", "speaker": "ida", "text": "I dive."}]})
+        newcomer = add(service, {"user_id": "jo", "facts": ["Jo knits."]})  # refused at the ingress's placement
     finally:
         client.config_set("maxmemory", limit)
-    assert full.status_code == 507, full.text
-    assert full.json()["error"]["code"] == "memory_store_full" and full.headers["Retry-After"] == "60"
-    assert stored(client, "ida") == before
+    for answer in (full, newcomer):
+        assert answer.status_code == 507, answer.text
+        assert answer.json()["error"]["code"] == "memory_store_full" and answer.headers["Retry-After"] == "60"
+    assert stored(client, "ida") == before and stored(client, "jo") == {}
     after = add(service, {"user_id": "ida", "facts": ["Ida dives."]})  # room again: writes go on
     assert after.status_code == 200, after.text
 

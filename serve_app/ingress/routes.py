@@ -98,7 +98,8 @@ _ENGINE_DOWN = {"EngineDeadError", "EngineGenerateError"}
 
 
 def _unavailable(exc: StoreUnavailable) -> HTTPException:
-    return HTTPException(status_code=503, detail=str(exc), headers={"Retry-After": "5"})
+    """503 with Retry-After; 507 when Redis is full (StoreFull)."""
+    return http_error(exc) or HTTPException(status_code=503, detail=str(exc), headers={"Retry-After": "5"})
 
 
 class ChatRoutes:
@@ -342,7 +343,8 @@ class ChatRoutes:
         within about status_timeout_s whatever they are doing: a part that has not answered by then
         is reported as such.
 
-        {"status": "ok", "redis": "ok", "replicas": {"0": {"engine": "ok", "shard": "ok"}}}"""
+        {"status": "ok", "redis": "ok", "redis_memory": {...}, "replicas": {"0": {"engine": "ok", "shard": "ok"}}};
+        redis_memory (used_bytes, max_bytes, fraction) carries a `warning` past memory.redis_memory_warn_fraction."""
         from fastapi.responses import JSONResponse
 
         limit = self.settings.status_timeout_s
