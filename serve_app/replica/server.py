@@ -264,7 +264,8 @@ class MemoryLLM:
         facts = self.limits.fitting(facts)  # an extracted fact too long for an arena entry is dropped, not stored
         source = request.source_id or (turns[-1].turn_id if turns else None)
         given = [NewFact(text=text, source_id=source) for text in request.facts or []]
-        await self.shard.check_room(user, facts + given, turns)  # quotas (429) before the first write: all or nothing
+        if turns and (facts or given):  # quotas (429) before the first write; one kind alone is checked whole by its write
+            await self.shard.check_room(user, facts + given, turns)
         if turns:
             await self.shard.add_turns(user, turns)
         memory = self.settings.memory
