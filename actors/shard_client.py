@@ -99,9 +99,6 @@ class ShardClient:
         """QuotaExceeded (memory.records) unless the user has room for all of them."""
         await self._wait(self.actor.check_room.remote(user_id, list(facts), list(turns)))
 
-    async def usage(self, user_id: str) -> dict[str, int]:
-        return await self._wait(self.actor.usage.remote(user_id))
-
     async def add_turns(self, user_id: str, turns: Sequence[Turn]) -> None:
         await self._wait(self.actor.add_turns.remote(user_id, list(turns)))
 

@@ -28,7 +28,6 @@ the shard's stats say why.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -190,10 +189,6 @@ class MemoryShard:
         """QuotaExceeded unless the user has room for all of them (memory.fact_store.FactStore.check_room):
         the replica asks before an add's first write, so an add past a quota stores nothing."""
         self.store.check_room(user_id, [NewFact.model_validate(f) for f in facts], list(turns))
-
-    def usage(self, user_id: str) -> dict[str, int]:
-        """The user's use against their quotas (memory.quota)."""
-        return dataclasses.asdict(self.store.usage(user_id))
 
     def next_turn_order(self, user_id: str) -> float:
         return self.store.last_turn_order(user_id) + 1.0
