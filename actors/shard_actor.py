@@ -18,12 +18,12 @@ import inspect
 import threading
 from typing import Any, Callable
 
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from actors.plan_channel import PlanServer, plan_channel_address
 from memory.chat_query import ChatQuery
 from memory.planner import ChatPlan
-from memory.records import StoreUnavailable
+from memory.records import StoreFull, StoreUnavailable
 from memory.settings import MemorySettings
 from memory.shard import MemoryShard
 
@@ -45,13 +45,16 @@ SHARD_ACTOR_OPTIONS: dict[str, Any] = {
 
 def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
     """The method under the shard's lock; a Redis error leaves the actor as StoreUnavailable, which
-    the ingress answers 503 with Retry-After (the caller need not know redis-py's exceptions)."""
+    the ingress answers 503 with Retry-After (the caller need not know redis-py's exceptions), or as
+    StoreFull when Redis refused a write for memory (507)."""
 
     @functools.wraps(method)
     def locked(self: "ShardActor", *args: Any, **kwargs: Any) -> Any:
         with self.lock:
             try:
                 return method(self, *args, **kwargs)
+            except OutOfMemoryError as exc:  # maxmemory, noeviction: the refused transaction changed nothing
+                raise StoreFull(f"the memory store (Redis) is full and refused the write: {exc}") from None
             except RedisError as exc:
                 raise StoreUnavailable(f"memory store (Redis) unavailable: {type(exc).__name__}: {exc}") from None
 

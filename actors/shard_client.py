@@ -95,6 +95,10 @@ class ShardClient:
     async def next_turn_order(self, user_id: str) -> float:
         return await self._wait(self.actor.next_turn_order.remote(user_id))
 
+    async def check_room(self, user_id: str, facts: Sequence[NewFact] = (), turns: Sequence[Turn] = ()) -> None:
+        """QuotaExceeded (memory.records) unless the user has room for all of them."""
+        await self._wait(self.actor.check_room.remote(user_id, list(facts), list(turns)))
+
     async def add_turns(self, user_id: str, turns: Sequence[Turn]) -> None:
         await self._wait(self.actor.add_turns.remote(user_id, list(turns)))
 

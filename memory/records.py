@@ -33,6 +33,41 @@ class StoreUnavailable(ConnectionError):
     (raised by memory.directory and memory.key_store for the ingress, and by the shard actor for its calls)."""
 
 
+class StoreFull(StoreUnavailable):
+    """Redis refused a write for memory (maxmemory reached, policy noeviction): nothing of the write
+    was applied (a refused MULTI/EXEC is discarded whole). The HTTP answer is 507 with Retry-After."""
+
+    code = "memory_store_full"
+    param = None
+
+
+class QuotaExceeded(Exception):
+    """A write would take the user past one of their quotas (memory.quota); nothing was stored.
+    The HTTP answer is 429 with code `quota_exceeded`. The arguments are kept as `args` so the error
+    crosses Ray's process boundary (pickled by its arguments)."""
+
+    code = "quota_exceeded"
+
+    def __init__(self, user_id: str, quota: str, used: int, adding: int, limit: int) -> None:
+        super().__init__(user_id, quota, used, adding, limit)
+        self.user_id, self.quota, self.used, self.adding, self.limit = user_id, quota, used, adding, limit
+
+    @property
+    def param(self) -> str:
+        """The setting whose limit was reached (the error's `param`)."""
+        return f"memory.quota.max_{self.quota}"
+
+    def __str__(self) -> str:
+        return self.message
+
+    @property
+    def message(self) -> str:
+        return (
+            f"quota exceeded: user {self.user_id!r} has {self.used} of {self.limit} {self.quota} "
+            f"(memory.quota.max_{self.quota}) and this request would add {self.adding}; delete memories to free quota"
+        )
+
+
 class UnknownFact(KeyError):
     """No live fact with this id (for this user)."""
 

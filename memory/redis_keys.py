@@ -10,6 +10,8 @@ The shard writes through memory.fact_store.FactStore; the ingress reads the rout
     P:user:{u}:dedupe         hash sha1(text, source) -> fact id (re-adding returns the existing fact)
     P:user:{u}:turns          hash turn id -> JSON Turn
     P:user:{u}:turn_order     sorted set of turn ids by conversation order
+    P:user:{u}:usage          hash facts, turns, text_bytes: the user's use (memory.quota), rewritten in
+                              each write's own transaction
     P:user:{u}:shard          the shard holding the user's memory
     P:shard:{s}:users         set of users assigned to shard s
     P:erasure:pending         counter, raised by every delete's transaction: Redis's files still

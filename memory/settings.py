@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from memory.prompting import DEFAULT_INSTRUCTION
 from memory.index import IndexSettings
+from memory.quota import QuotaSettings
 from memory.retrieval import RetrievalSettings
 
 
@@ -114,6 +115,18 @@ class MemorySettings(BaseModel):
         gt=0,
         description="Most seconds one Redis call of the shard waits (socket and connect timeout): while Redis is away "
         "a write fails fast with 503 and Retry-After, instead of holding the shard's later calls behind it.",
+    )
+    quota: QuotaSettings = Field(
+        default_factory=QuotaSettings,
+        description="Per-user quotas (memory.quota): facts, turns and bytes of stored text; a write past one is refused "
+        "whole with 429 quota_exceeded.",
+    )
+    redis_memory_warn_fraction: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Past this fraction of Redis's maxmemory the shards log a warning, and /health and /v1/shards carry "
+        "one (`redis_memory`); at maxmemory Redis (policy noeviction) refuses writes: 507 memory_store_full.",
     )
     arena_dir: str = Field("/dev/shm", description="Folder for the shared-memory KV arenas (one per shard).")
     arena: ArenaCapacity = Field(default_factory=ArenaCapacity)

@@ -53,12 +53,15 @@ from memory.records import FactEvent, FactRecord, MemoryHit, NewFact, Turn
 from memory.index import build_index
 from memory.kv_lifecycle import PREFIX_KEY, EncodeJob, EncodeOutcome, FactKV, FactKVLifecycle
 from memory.planner import ChatPlan, plan_chat
+from memory.quota import redis_memory_report
 from memory.prompting import PromptLayout
 from memory.read_repair import ReadRepair
 from memory.retrieval import Retriever, store_turn_texts
 from memory.settings import MemorySettings
 
 logger = logging.getLogger(__name__)
+
+REDIS_MEMORY_EVERY_S = 5.0  # Redis's INFO memory read at most this often (stats, every 10 s from the replica)
 
 __all__ = ["MemoryShard", "StoredFact", "ChatPlan", "ChatQuery", "MemoryHit", "EncodeJob", "PREFIX_KEY"]
 
@@ -91,7 +94,7 @@ class MemoryShard:
         self.shard_id = shard_id
         self.settings = settings
         self.store = FactStore.from_url(
-            redis_url, settings.redis_prefix, timeout_s=settings.redis_timeout_s, password=redis_password
+            redis_url, settings.redis_prefix, timeout_s=settings.redis_timeout_s, password=redis_password, quota=settings.quota
         )
         # the arena first: a restarting replica may open it (engine start) while the rest loads
         geometry = arena_geometry_for(model_dir, kv_dtype, **settings.arena.model_dump(exclude={"device_pages"}))
@@ -128,6 +131,7 @@ class MemoryShard:
         self.selector = FactSelector(
             retriever=self.retrieval, embedder=self.embedder, facts=self.facts, layout=self.layout, default_top_k=settings.top_k
         )
+        self._redis_memory: tuple[float, dict[str, Any]] = (-REDIS_MEMORY_EVERY_S, {})  # (read at, report)
         self.read_repair = ReadRepair(self)  # users whose last write's Redis call failed (module docstring)
         self.compactor = RedisCompactor(self.store.r, self.store.keys.erasure_pending(), settings.erasure, name=f"shard {shard_id}")
         self._rebuild()
@@ -192,6 +196,11 @@ class MemoryShard:
         self.store.claim_user(user_id, self.shard_id)
         self.store.add_turns(user_id, list(turns))
 
+    def check_room(self, user_id: str, facts: Sequence[NewFact] = (), turns: Sequence[Turn] = ()) -> None:
+        """QuotaExceeded unless the user has room for all of them (memory.fact_store.FactStore.check_room):
+        the replica asks before an add's first write, so an add past a quota stores nothing."""
+        self.store.check_room(user_id, [NewFact.model_validate(f) for f in facts], list(turns))
+
     def next_turn_order(self, user_id: str) -> float:
         return self.store.last_turn_order(user_id) + 1.0
 
@@ -202,6 +211,7 @@ class MemoryShard:
         if not facts:
             return []
         self.read_repair.repair(user_id)
+        self.store.check_room(user_id, facts)  # the batch whole or nothing (quotas)
         embeddings = self.embedder.embed([f.text for f in facts])
         results = []
         with self.read_repair.writing(user_id):
@@ -347,5 +357,22 @@ class MemoryShard:
             "encode_failed": sum(1 for state in self.facts.values() if state.failed),
             "encode_failures": self.kv.failures(),  # the first ones: fact id, attempts, reason
             **usage,
+            "redis_memory": self.redis_memory(),
         }
+
+    def redis_memory(self) -> dict[str, Any]:
+        """Redis's used memory against its maxmemory, with a warning (also logged) past
+        memory.redis_memory_warn_fraction; at maxmemory Redis refuses writes (StoreFull)."""
+        if time.monotonic() - self._redis_memory[0] < REDIS_MEMORY_EVERY_S:
+            return self._redis_memory[1]
+        try:
+            used, limit = self.store.memory_use()  # a short timeout, no retries: never holds the shard long
+        except Exception as exc:  # noqa: BLE001 - Redis away: reported, the stats still answer
+            report: dict[str, Any] = {"unavailable": f"{type(exc).__name__}: {exc}"[:200]}
+        else:
+            report = redis_memory_report(used, limit, self.settings.redis_memory_warn_fraction)
+            if "warning" in report:
+                logger.warning("shard %d: %s", self.shard_id, report["warning"])
+        self._redis_memory = (time.monotonic(), report)
+        return report
 

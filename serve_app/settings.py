@@ -20,6 +20,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, fiel
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from memory.settings import MemorySettings
+from serve_app.protocol import MAX_FACT_CHARS, MAX_FACTS_PER_ADD, MAX_TURN_CHARS, MAX_TURNS_PER_ADD
 
 DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"  # the embedded default's folder in the model cache
 REDIS_PASSWORD_NAMES = ("redis_password", "REDIS_PASSWORD", "KVMEM_REDIS_PASSWORD")  # the setting and its variables
@@ -153,6 +154,37 @@ class EngineSettings(BaseModel):
         return value
 
 
+class AddLimits(BaseModel):
+    """How much one memory add may carry: the ingress answers 413 (`code: request_too_large`, `param`
+    the field) past these, before anything is stored. The protocol's bounds (serve_app.protocol) are
+    the ceiling these may not pass; a request past those is malformed (400)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = Field(64, gt=0, le=MAX_TURNS_PER_ADD, description="Most turns (plus messages) one add may record.")
+    max_turn_chars: int = Field(8_000, gt=0, le=MAX_TURN_CHARS, description="Most characters of one turn's or message's text.")
+    max_facts: int = Field(64, gt=0, le=MAX_FACTS_PER_ADD, description="Most facts one add may give directly.")
+    max_fact_chars: int = Field(2_000, gt=0, le=MAX_FACT_CHARS, description="Most characters of one given fact.")
+
+    def refusal(self, request: Any) -> tuple[str, str] | None:
+        """(message, param) for an AddMemoryRequest past a limit, else None."""
+        turns = [(f"turns.{i}.text", t.text) for i, t in enumerate(request.turns or [])]
+        turns += [(f"messages.{i}.content", m.content) for i, m in enumerate(request.messages or [])]
+        if len(turns) > self.max_turns:
+            field = "turns" if request.turns else "messages"
+            return f"this add records {len(turns)} turns and messages; at most {self.max_turns} per add (add_limits.max_turns)", field
+        for field, text in turns:
+            if len(text) > self.max_turn_chars:
+                return f"{field} holds {len(text)} characters; at most {self.max_turn_chars} (add_limits.max_turn_chars)", field
+        facts = request.facts or []
+        if len(facts) > self.max_facts:
+            return f"this add gives {len(facts)} facts; at most {self.max_facts} per add (add_limits.max_facts)", "facts"
+        for i, text in enumerate(facts):
+            if len(text) > self.max_fact_chars:
+                return f"facts.{i} holds {len(text)} characters; at most {self.max_fact_chars} (add_limits.max_fact_chars)", f"facts.{i}"
+        return None
+
+
 class ServiceSettings(BaseSettings):
     """Everything the Ray Serve application needs; see the module docstring for precedence.
 
@@ -209,6 +241,9 @@ class ServiceSettings(BaseSettings):
         description="Largest request body the ingress reads (413 past it, counted while reading, before any parsing). "
         "8 MiB: the protocol's largest request (400,000 characters plus 256 turns' ids) is 5.8 MB when every "
         "character is \\u-escaped, as Python's json and `requests` send non-ASCII text.",
+    )
+    add_limits: AddLimits = Field(
+        default_factory=AddLimits, description="What one memory add may carry (413 past it); per-user quotas are memory.quota."
     )
     replica_call_timeout_s: float = Field(
         300.0, gt=0, description="Most seconds the ingress waits for a replica's answer (or its next streamed chunk)."

@@ -311,6 +311,10 @@ def test_redis_is_persistent_and_reachable_through_its_service() -> None:
     args = container["args"]
     assert args[args.index("--appendonly") + 1] == "yes"
     assert args[args.index("--appendfsync") + 1] == "always"  # acknowledged means on disk
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"  # full: writes refused (507), nothing evicted
+    maxmemory_mib = int(args[args.index("--maxmemory") + 1].removesuffix("mb"))
+    limit = container["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and 0 < maxmemory_mib < int(limit.removesuffix("Gi")) * 1024  # refused before the pod is killed
     data_dir = args[args.index("--dir") + 1]
     (volume,) = [v for v in pod["spec"]["volumes"] if v.get("persistentVolumeClaim")]
     assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]

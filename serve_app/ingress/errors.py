@@ -11,7 +11,10 @@ as OpenAI's API and its clients expect (`openai.BadRequestError.param`, `.code`,
   RequestRejected / NotFound behind it lends its `param` and `code` (`model_not_found`);
 - anything else: 500, or 503 when a replica or the memory shard is unavailable or overloaded;
 - before any route: 401 without a valid key and 413 for a body over `max_body_bytes`, answered by
-  serve_app.ingress.gate with these same bodies.
+  serve_app.ingress.gate with these same bodies; 413 `request_too_large` for an add past `add_limits`;
+- 429 `quota_exceeded` (`param` the quota's setting, the message the user's use and limit) for a
+  write past a per-user quota, 507 `memory_store_full` with Retry-After when Redis refused a write
+  at its maxmemory: in both cases nothing was stored.
 
 `install_error_handlers(api)` registers the handlers and rewrites the app's OpenAPI document so
 that every operation documents these statuses with the ErrorResponse schema (and the chat route
@@ -32,17 +35,19 @@ from fastapi.responses import JSONResponse
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from memory.records import QuotaExceeded
 from serve_app.protocol import ChatCompletionChunk, ChatCompletionResponse, ErrorResponse, NotFound, RequestRejected
 
 logger = logging.getLogger(__name__)
 
-ERROR_STATUSES = (400, 401, 403, 404, 405, 413, 500, 503, 504)
+ERROR_STATUSES = (400, 401, 403, 404, 405, 413, 429, 500, 503, 504, 507)
 _TYPE_OF_STATUS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
 # Ray's signs that a replica or actor is gone or full: the service is unavailable, not broken.
 _UNAVAILABLE = {
     "BackPressureError", "DeploymentUnavailableError", "ReplicaUnavailableError", "ActorDiedError",
     "ActorUnavailableError", "RayActorError", "ShardTimeout",
 }
+_REFUSALS_WITH_A_CODE = {"QuotaExceeded", "StoreFull"}  # memory.records: 429 and 507, their `code` and `param` kept
 _CODE_OF_STATUS = {401: "invalid_api_key"}
 UNAVAILABLE_RETRY_AFTER_S = "5"  # as for a Redis outage (routes.http_error): a restarted replica or shard is back within seconds
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -50,12 +55,12 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 class RefusalsAreNotFailures(logging.Filter):
     """For the `ray.serve` logger of a replica: Ray Serve logs every exception a deployment method
-    raises, with its traceback, as a failed request; a refusal (RequestRejected, NotFound: the
-    client gets a 4xx) is not a failure of the replica."""
+    raises, with its traceback, as a failed request; a refusal (RequestRejected, NotFound,
+    QuotaExceeded: the client gets a 4xx) is not a failure of the replica."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return not isinstance(error, (RequestRejected, NotFound))
+        return not isinstance(error, (RequestRejected, NotFound, QuotaExceeded))
 
 
 def error_type(status: int) -> str:
@@ -113,7 +118,7 @@ def _origin(exc: BaseException) -> BaseException | None:
         if seen is None:
             return None
         cause = getattr(seen, "cause", None) or seen
-        if isinstance(cause, (RequestRejected, NotFound)) or type(cause).__name__ in _UNAVAILABLE:
+        if isinstance(cause, (RequestRejected, NotFound)) or type(cause).__name__ in _UNAVAILABLE | _REFUSALS_WITH_A_CODE:
             return cause
         seen = seen.__cause__
     return None

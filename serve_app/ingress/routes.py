@@ -40,7 +40,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from memory.directory import UserDirectory
-from memory.records import StoreUnavailable, is_fact_id
+from memory.records import QuotaExceeded, StoreFull, StoreUnavailable, is_fact_id
 from serve_app.ingress.auth import Authenticator, KeyRecord, KeyStore, NewKeyRequest, Principal, caller
 from serve_app.ingress.errors import install_error_handlers
 from serve_app.ingress.gate import RequestGate
@@ -75,13 +75,17 @@ api.add_middleware(RequestGate, ingress=serving_ingress)
 def http_error(exc: BaseException) -> HTTPException | None:
     """The HTTP error for a replica's exception (Ray wraps it; report the original message)."""
     cause = getattr(exc, "cause", None) or exc
-    message = str(cause.args[0] if cause.args else cause)
+    message = cause.message if isinstance(cause, QuotaExceeded) else str(cause.args[0] if cause.args else cause)
     if isinstance(cause, RequestRejected):
         return HTTPException(status_code=400, detail=message)
     if isinstance(cause, NotFound):
         return HTTPException(status_code=404, detail=message)
     if type(cause).__name__ in _ENGINE_DOWN:  # by name: the ingress does not import vLLM
         return HTTPException(503, f"the engine is restarting, try again shortly ({message})", {"Retry-After": "5"})
+    if isinstance(cause, QuotaExceeded):  # nothing stored; deletes free quota
+        return HTTPException(status_code=429, detail=message)
+    if isinstance(cause, StoreFull):  # Redis at maxmemory (noeviction) refused the write: nothing changed
+        return HTTPException(507, message, {"Retry-After": "60"})
     if isinstance(cause, StoreUnavailable):  # Redis away: nothing was acknowledged, try again
         return HTTPException(503, message, {"Retry-After": "5"})
     if isinstance(cause, TimeoutError):  # the memory shard did not answer in time (busy, or restarting)
@@ -94,7 +98,8 @@ _ENGINE_DOWN = {"EngineDeadError", "EngineGenerateError"}
 
 
 def _unavailable(exc: StoreUnavailable) -> HTTPException:
-    return HTTPException(status_code=503, detail=str(exc), headers={"Retry-After": "5"})
+    """503 with Retry-After; 507 when Redis is full (StoreFull)."""
+    return http_error(exc) or HTTPException(status_code=503, detail=str(exc), headers={"Retry-After": "5"})
 
 
 class ChatRoutes:
@@ -226,6 +231,10 @@ class ChatRoutes:
         self, request: AddMemoryRequest, principal: Principal = Depends(caller)
     ) -> dict[str, Any]:
         self.auth.require_user(principal, request.user_id)
+        too_large = self.settings.add_limits.refusal(request)
+        if too_large is not None:  # 413 before anything is stored (settings add_limits)
+            message, param = too_large
+            raise HTTPException(413, message) from RequestRejected(message, param, "request_too_large")
         return await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
 
     @api.get("/v1/memories")
@@ -335,7 +344,8 @@ class ChatRoutes:
         within about status_timeout_s whatever they are doing: a part that has not answered by then
         is reported as such.
 
-        {"status": "ok", "redis": "ok", "replicas": {"0": {"engine": "ok", "shard": "ok"}}}"""
+        {"status": "ok", "redis": "ok", "redis_memory": {...}, "replicas": {"0": {"engine": "ok", "shard": "ok"}}};
+        redis_memory (used_bytes, max_bytes, fraction) carries a `warning` past memory.redis_memory_warn_fraction."""
         from fastapi.responses import JSONResponse
 
         limit = self.settings.status_timeout_s
@@ -358,8 +368,9 @@ class ChatRoutes:
                 return {"replica": f"unavailable: {type(exc).__name__}: {exc}"[:300]}
 
         shards = [self._replica(shard) for shard in range(self.num_shards)]
-        redis_ok, *replicas = await asyncio.gather(redis_status(), *(replica_status(r) for r in shards))
-        report: dict[str, Any] = {"redis": redis_ok, "replicas": {str(i): r for i, r in enumerate(replicas)}}
+        memory = self.directory.memory_report(self.settings.memory.redis_memory_warn_fraction, limit)  # a warning, not a 503
+        redis_ok, redis_memory, *replicas = await asyncio.gather(redis_status(), memory, *(replica_status(r) for r in shards))
+        report: dict[str, Any] = {"redis": redis_ok, "redis_memory": redis_memory, "replicas": {str(i): r for i, r in enumerate(replicas)}}
         failing = [f"redis: {redis_ok}"] if redis_ok != "ok" else []
         failing += [f"replica {i} {part}: {state}" for i, r in enumerate(replicas) for part, state in r.items() if state != "ok"]
         report = {"status": "ok" if not failing else "; ".join(failing), **report}

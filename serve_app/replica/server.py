@@ -107,6 +107,7 @@ class MemoryLLM:
         self.shard_restarts = Counter("kvmem_shard_restarts_total", description="Shard actors restarted for not answering.")
         self.pending_gauge = Gauge("kvmem_pending_encodes", description="Facts waiting for their KV.", tag_keys=("shard",))
         self.facts_with_kv_gauge = Gauge("kvmem_facts_with_kv", description="Facts whose KV is live.", tag_keys=("shard",))
+        self.redis_memory_ratio = Gauge("kvmem_redis_memory_used_ratio", description="Redis used_memory / maxmemory (writes refused at 1).")
         self.evictions_gauge = Gauge("kvmem_kv_evictions", description="Fact KV entries evicted for room since the shard started.", tag_keys=("shard",))
 
         def on_batch(live: int, seconds: float) -> None:
@@ -252,8 +253,6 @@ class MemoryLLM:
                 Turn(turn_id=f"m-{base}-{i}", speaker=m.role, text=m.content, order=order + i)
                 for i, m in enumerate(request.messages)
             ]
-        if turns:
-            await self.shard.add_turns(user, turns)
         facts: list[NewFact] = []
         if request.messages and request.infer:
             user_turns = [t for t in turns if t.speaker == "user"]
@@ -265,6 +264,10 @@ class MemoryLLM:
         facts = self.limits.fitting(facts)  # an extracted fact too long for an arena entry is dropped, not stored
         source = request.source_id or (turns[-1].turn_id if turns else None)
         given = [NewFact(text=text, source_id=source) for text in request.facts or []]
+        if turns and (facts or given):  # quotas (429) before the first write; one kind alone is checked whole by its write
+            await self.shard.check_room(user, facts + given, turns)
+        if turns:
+            await self.shard.add_turns(user, turns)
         memory = self.settings.memory
         if request.messages and request.infer and (memory.reconcile if request.reconcile is None else request.reconcile):
             # extracted facts are decided against the user's closest facts: ADD / UPDATE / DELETE / NONE
@@ -344,6 +347,8 @@ class MemoryLLM:
         self.pending_gauge.set(stats["pending_encodes"], tags={"shard": shard})
         self.facts_with_kv_gauge.set(stats["facts_with_kv"], tags={"shard": shard})
         self.evictions_gauge.set(stats["kv_evictions_total"], tags={"shard": shard})
+        if stats.get("redis_memory", {}).get("fraction") is not None:
+            self.redis_memory_ratio.set(stats["redis_memory"]["fraction"])
 
     async def check_health(self) -> None:
         """Serve's probe: fails when the engine is dead and not coming back in place
