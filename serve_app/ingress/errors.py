@@ -43,7 +43,7 @@ _UNAVAILABLE = {
     "BackPressureError", "DeploymentUnavailableError", "ReplicaUnavailableError", "ActorDiedError",
     "ActorUnavailableError", "RayActorError", "ShardTimeout",
 }
-_CODE_OF_STATUS = {401: "invalid_api_key"}
+_CODE_OF_STATUS = {401: "invalid_api_key", 429: "encode_backlog_full"}  # 429: memory.fairness.EncodeBacklogFull
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
