@@ -41,14 +41,15 @@ class FairQueue:
         self._owner[key] = user
         self._by_user.setdefault(user, deque()).append(key)
 
-    def appendleft(self, key: str, user: str) -> None:
-        """Queue `key` first among its user's keys and that user first (a caller waits for it, or
-        it was taken and put back)."""
+    def appendleft(self, key: str, user: str, user_next: bool = False) -> None:
+        """Queue `key` first among its user's keys (a caller waits for it); `user_next`: and that
+        user first in the turn (it was just taken and put back, so it keeps its turn)."""
         if key in self._owner:
             self.remove(key)
         self._owner[key] = user
         self._by_user.setdefault(user, deque()).appendleft(key)
-        self._by_user.move_to_end(user, last=False)
+        if user_next:
+            self._by_user.move_to_end(user, last=False)
 
     def take(self, skip_users: Collection[str] = ()) -> tuple[str, str] | None:
         """(key, user) of the next key in round-robin order, skipping `skip_users`; None when empty.

@@ -211,13 +211,13 @@ class FactKVLifecycle:
             try:
                 tokens, start, length = self._encode_tokens(key, state)
                 if jobs and max_tokens is not None and batch_tokens + len(tokens) > max_tokens:
-                    self.queue.appendleft(key, user)  # first in the next batch
+                    self.queue.appendleft(key, user, user_next=True)  # first in the next batch
                     break
                 batch_tokens += len(tokens)
                 ref = self._allocate(tokens[start : start + length], start, self._tag(key, state), user)
             except ArenaFull as exc:
                 logger.warning("%s: %s; %s stays prefilled as text", self.name, exc, key)
-                self.queue.appendleft(key, user)
+                self.queue.appendleft(key, user, user_next=True)
                 arena_full_for.add(user)
                 continue
             except (ArenaError, ValueError) as exc:  # cannot ever fit: no point in retrying
