@@ -226,7 +226,7 @@ def main() -> None:
     parser.add_argument("--b-facts", type=int, default=8)
     parser.add_argument("--alone-chats", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--arena-pages", type=int, default=256, help="host arena pages: small, so A's facts compete for room")
+    parser.add_argument("--arena-pages", type=int, default=96, help="host arena pages: small, so A's facts compete for room")
     parser.add_argument("--max-backoff-s", type=float, default=2.0, help="most seconds A waits after a 429")
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--out", type=Path, default=None)

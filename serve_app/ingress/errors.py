@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from memory.fairness import EncodeBacklogFull
 from serve_app.protocol import ChatCompletionChunk, ChatCompletionResponse, ErrorResponse, NotFound, RequestRejected
 
 logger = logging.getLogger(__name__)
@@ -49,12 +50,13 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 class RefusalsAreNotFailures(logging.Filter):
     """For the `ray.serve` logger of a replica: Ray Serve logs every exception a deployment method
-    raises, with its traceback, as a failed request; a refusal (RequestRejected, NotFound: the
-    client gets a 4xx) is not a failure of the replica."""
+    raises, with its traceback, as a failed request; a refusal (RequestRejected, NotFound,
+    EncodeBacklogFull: the client gets a 4xx) is not a failure of the replica."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return not isinstance(error, (RequestRejected, NotFound))
+        error = getattr(error, "cause", None) or error  # the shard's own exception, out of Ray's wrapper
+        return not isinstance(error, (RequestRejected, NotFound, EncodeBacklogFull))
 
 
 def error_type(status: int) -> str:

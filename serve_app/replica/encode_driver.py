@@ -11,7 +11,7 @@ Nothing here waits without a bound: a batch that runs past `request_timeout_s` i
 the engine and reported as failed; `drain(deadline_s=...)` and `settle` return at their
 deadline; while the engine is dead no job is taken (an engine death costs no fact an attempt).
 Encodes run at a lower priority than chats and than extraction (serve_app.replica.scheduling),
-and while chats run (`chats_running`) a batch holds at most `batch_while_chatting` requests and
+and while chats run (`chats_running`, serve_app.replica.scheduling.ChatsRunning) a batch holds at most `batch_while_chatting` requests and
 is followed by a pause, so encodes take at most `share_while_chatting` of the time: a backlog
 never slows the chats served meanwhile much, and chats never starve the encodes. The shard hands
 out jobs users round robin (memory.fairness.FairQueue).
@@ -155,11 +155,11 @@ class EncodeDriver:
         on_batch: Callable[[int, float], None] | None = None,
         request_timeout_s: float | None = None,
         priority: int = ENCODE_PRIORITY,
-        chats_running: Callable[[], int] | None = None,
+        chats_running: Callable[[], bool] | None = None,
         batch_while_chatting: int = 1,
         share_while_chatting: float = 1.0,
     ):
-        self.chats_running = chats_running  # how many chats the replica runs now (None: never yield)
+        self.chats_running = chats_running  # whether the replica is serving chats now (None: never yield)
         self.batch_while_chatting = batch_while_chatting
         self.share_while_chatting = share_while_chatting
         self.queue = queue
@@ -173,11 +173,11 @@ class EncodeDriver:
         self.last_batch_s = 0.0  # how long the last batch ran
 
     def _chatting(self) -> bool:
-        return self.chats_running is not None and self.chats_running() > 0
+        return self.chats_running is not None and self.chats_running()
 
     async def _yield_to_chats(self, batch_s: float) -> None:
         """After a batch that ran `batch_s`: while chats run, pause so that encodes take at most
-        share_while_chatting of the time (the pause ends early once no chat runs)."""
+        share_while_chatting of the time (the pause ends early once no chat is served)."""
         share = self.share_while_chatting
         pause_until = time.perf_counter() + min(MAX_PAUSE_S, batch_s * (1.0 - share) / share)
         while self._chatting() and time.perf_counter() < pause_until:

@@ -12,6 +12,7 @@ encode already running shares every step with the chats).
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 CHAT_PRIORITY = 0  # a user waits on it
@@ -19,11 +20,19 @@ MEMORY_WRITE_PRIORITY = 1  # extraction and reconciliation of an add (serve_app.
 ENCODE_PRIORITY = 2  # background capture requests (serve_app.replica.encode_driver)
 
 
-class ChatsRunning:
-    """How many chats this replica is running now (planning, prefilling or decoding)."""
+# A chat that ended this recently still counts as chatting: a client's next chat usually follows
+# within milliseconds, and a full encode batch started in that gap would delay it by seconds.
+CHAT_GRACE_S = 1.0
 
-    def __init__(self) -> None:
+
+class ChatsRunning:
+    """Whether this replica is serving chats: running now (planning, prefilling or decoding), or
+    one ended within CHAT_GRACE_S."""
+
+    def __init__(self, grace_s: float = CHAT_GRACE_S) -> None:
         self.count = 0
+        self.grace_s = grace_s
+        self.last_ended = float("-inf")  # time.monotonic() of the last chat's end
 
     @contextlib.contextmanager
     def one(self) -> Iterator[None]:
@@ -33,6 +42,7 @@ class ChatsRunning:
             yield
         finally:
             self.count -= 1
+            self.last_ended = time.monotonic()
 
-    def __call__(self) -> int:
-        return self.count
+    def __call__(self) -> bool:
+        return self.count > 0 or time.monotonic() - self.last_ended < self.grace_s
