@@ -11,10 +11,11 @@ Nothing here waits without a bound: a batch that runs past `request_timeout_s` i
 the engine and reported as failed; `drain(deadline_s=...)` and `settle` return at their
 deadline; while the engine is dead no job is taken (an engine death costs no fact an attempt).
 Encodes run at a lower priority than chats and than extraction (serve_app.replica.scheduling),
-and while chats run (`chats_running`, serve_app.replica.scheduling.ChatsRunning) a batch holds at most `batch_while_chatting` requests and
-is followed by a pause, so encodes take at most `share_while_chatting` of the time: a backlog
-never slows the chats served meanwhile much, and chats never starve the encodes. The shard hands
-out jobs users round robin (memory.fairness.FairQueue).
+and while chats are served (`chats_running`, serve_app.replica.scheduling.ChatsRunning) a batch
+holds at most `batch_while_chatting` requests and is followed by a pause, so encodes take at
+most `share_while_chatting` of the time: a backlog barely slows the chats served meanwhile, and
+chats never starve the encodes. The shard hands out jobs users round robin
+(memory.fairness.FairQueue).
 
 Works with anything that hands out and takes back jobs (EncodeQueue: an
 actors.shard_client.ShardClient over the shard's Ray actor, or over an in-process MemoryShard
