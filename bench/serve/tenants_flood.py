@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -150,9 +151,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         added.raise_for_status()
         b_ids = [r["id"] for r in added.json()["results"]]
         chat_once(client, keys["bea"], "bea", args.max_tokens)  # warm-up, not counted
+        load = {"before_alone": os.getloadavg()[0]}  # the machine is shared: its load says how comparable two phases are
         alone = [chat_once(client, keys["bea"], "bea", args.max_tokens) for _ in range(args.alone_chats)]
         print(f"B alone: {len(alone)} chats, p50 {p50(alone):.2f} s", flush=True)
 
+        load["before_flood"] = os.getloadavg()[0]
         flood = Flood(client, keys["ann"], "ann", args.clients, args.batch_facts, args.max_backoff_s).start()
         during: list[float] = []
         flood_started = time.perf_counter()
@@ -163,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 next_report += 5.0
                 print(f"  {elapsed:5.1f} s: B chats {len(during)} (last {during[-1]:.2f} s), A adds {dict(flood.statuses)}", flush=True)
         flood.join()
+        load["after_flood"] = os.getloadavg()[0]
         print(f"B during the flood: {len(during)} chats, p50 {p50(during):.2f} s", flush=True)
 
         listed = client.get("/v1/memories", params={"user_id": "ann"}, headers=bearer(keys["ann"]))
@@ -182,6 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "a_facts_acknowledged": len(flood.acked),
             "chats_alone": len(alone),
             "chats_during_flood": len(during),
+            "load_average_1m": load,
             "alone_s": [round(v, 3) for v in alone],
             "during_flood_s": [round(v, 3) for v in during],
             "shard_after": {k: shards["results"][0].get(k) for k in ("pending_encodes", "facts", "facts_with_kv", "kv_evictions_total")},
@@ -213,6 +218,7 @@ def table(result: dict[str, Any]) -> str:
         ("acknowledged facts lost", result["lost_facts"]),
         ("B's facts without live KV", result["b_facts_evicted"]),
         ("shard afterwards", result["shard_after"]),
+        ("load average (1 min, 2 cores)", result["load_average_1m"]),
     ]
     return "\n".join(f"{name:<34} {value}" for name, value in rows)
 
