@@ -33,6 +33,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from kvarena.params import PARAMS_KEY
 from memory.kv_lifecycle import EncodeJob, EncodeOutcome
+from memory.settings import MemorySettings
 from serve_app.replica.scheduling import ENCODE_PRIORITY
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,15 @@ class EncodeDriver:
         pause_until = time.perf_counter() + min(MAX_PAUSE_S, batch_s * (1.0 - share) / share)
         while self._chatting() and time.perf_counter() < pause_until:
             await asyncio.sleep(min(0.05, pause_until - time.perf_counter()))
+
+    @classmethod
+    def for_memory(
+        cls, queue: EncodeQueue, engine: Any, memory: MemorySettings, on_batch: Callable[[int, float], None] | None,
+        chats_running: Callable[[], bool] | None,
+    ) -> "EncodeDriver":
+        """The replica's driver: batches, timeout and share while chatting from the memory settings."""
+        return cls(queue, engine, memory.encode_batch, on_batch, memory.encode_request_timeout_s, chats_running=chats_running,
+                   batch_while_chatting=memory.encode_batch_while_chatting, share_while_chatting=memory.encode_share_while_chatting)
 
     async def _one_batch(self) -> int | None:
         """Take, run and report one batch; None when the shard had nothing queued."""

@@ -44,7 +44,7 @@ from serve_app.replica.sampling import sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
 from serve_app.replica.shard_watchdog import ShardWatchdog
 from serve_app.settings import ServiceSettings
-from serve_app.stage_timings import StageClock, stage_histogram
+from serve_app.stage_timings import StageClock, count_positive as _count, stage_histogram
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +56,6 @@ INLINE_TEMPLATE_CHARS = 2000
 logging.getLogger("ray.serve").addFilter(RefusalsAreNotFailures())  # a 4xx is no failed request to log
 
 _TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
-
-
-def _count(counter: Counter, value: float) -> None:
-    """Counter.inc refuses 0 (ray.util.metrics); skip empty increments."""
-    if value > 0:
-        counter.inc(value)
 
 
 @contextlib.contextmanager
@@ -114,10 +108,8 @@ class MemoryLLM:
             _count(self.facts_encoded, live)
             _count(self.encode_seconds, seconds)
 
-        memory, self.chats_running = settings.memory, ChatsRunning()  # the encoder yields to running chats
-        self.driver = EncodeDriver(self.shard, self.engine, memory.encode_batch, on_batch, request_timeout_s=memory.encode_request_timeout_s,
-                                   chats_running=self.chats_running, batch_while_chatting=memory.encode_batch_while_chatting,
-                                   share_while_chatting=memory.encode_share_while_chatting)
+        self.chats_running = ChatsRunning()  # the chats being served, which the encoder yields to
+        self.driver = EncodeDriver.for_memory(self.shard, self.engine, settings.memory, on_batch, self.chats_running)
 
     @staticmethod
     def _plan_channel(settings: ServiceSettings, shard_id: int) -> Any:
