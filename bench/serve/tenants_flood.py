@@ -8,7 +8,9 @@ in this process), mints an API key for each of two users, then:
 2. A floods: --clients clients each add --batch-facts-fact batches as fast as they are answered for
    --flood-s seconds (a 429's Retry-After is honoured, at most --max-backoff-s), while B keeps
    chatting as in 1;
-3. afterwards: every fact A got a 200 for must be listed (lost_facts), and B's facts must still
+3. once A's backlog is encoded (at most --drain-wait-s), B chats alone again as in 1: the alone
+   p50 is over both sets, so a change in the shared machine's load counts on both sides;
+4. afterwards: every fact A got a 200 for must be listed (lost_facts), and B's facts must still
    have live KV (b_facts_evicted: B's facts whose KV is not live once the flood is over).
 
 Prints a table and writes bench/results/tenants_cpu.json (--unfair: the fairness settings off,
@@ -118,6 +120,17 @@ class Flood:
                 self.stop.wait(min(self.max_backoff_s, float(response.headers.get("Retry-After", "1"))))
 
 
+def wait_for_no_pending(client: httpx.Client, within_s: float) -> float | None:
+    """Seconds until the shard has no encode pending, or None when it still has some after `within_s`."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < within_s:
+        shards = client.get("/v1/shards", headers=bearer(ADMIN_KEY)).json()["results"]
+        if all(shard.get("pending_encodes") == 0 for shard in shards):
+            return time.perf_counter() - started
+        time.sleep(1.0)
+    return None
+
+
 def p50(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
@@ -175,10 +188,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bea_records = client.get("/v1/memories", params={"user_id": "bea"}, headers=bearer(keys["bea"])).json()["results"]
         b_kv = Counter(r["kv"] for r in bea_records if r["fact_id"] in set(b_ids))
         shards = client.get("/v1/shards", headers=bearer(ADMIN_KEY)).json()
+        # B alone again once A's backlog is encoded: the machine is shared, so alone is measured on
+        # both sides of the flood (a load that changed meanwhile shows as before != after)
+        drained_s = wait_for_no_pending(client, args.drain_wait_s)
+        alone_after = [chat_once(client, keys["bea"], "bea", args.max_tokens) for _ in range(args.alone_chats)] if drained_s is not None else []
+        load["after_alone"] = os.getloadavg()[0]
+        if alone_after:
+            print(f"B alone after the backlog drained ({drained_s:.0f} s): p50 {p50(alone_after):.2f} s", flush=True)
+        alone_all = alone + alone_after
         result = {
-            "alone_p50_s": p50(alone),
+            "alone_p50_s": p50(alone_all),
+            "alone_before_p50_s": p50(alone),
+            "alone_after_p50_s": p50(alone_after) if alone_after else None,
+            "backlog_drained_s": None if drained_s is None else round(drained_s, 1),
             "during_flood_p50_s": p50(during),
-            "ratio": round(p50(during) / p50(alone), 2),
+            "ratio": round(p50(during) / p50(alone_all), 2),
             "flood_statuses": dict(flood.statuses),
             "b_facts_evicted": sum(n for kv, n in b_kv.items() if kv != "live"),
             "b_facts_kv": dict(b_kv),
@@ -188,6 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "chats_during_flood": len(during),
             "load_average_1m": load,
             "alone_s": [round(v, 3) for v in alone],
+            "alone_after_s": [round(v, 3) for v in alone_after],
             "during_flood_s": [round(v, 3) for v in during],
             "shard_after": {k: shards["results"][0].get(k) for k in ("pending_encodes", "facts", "facts_with_kv", "kv_evictions_total")},
             "settings": {
@@ -211,6 +236,7 @@ def table(result: dict[str, Any]) -> str:
     rows = [
         ("fairness", result["settings"]["fairness"]),
         ("B chat p50 alone (s)", result["alone_p50_s"]),
+        ("  before / after the flood (s)", (result["alone_before_p50_s"], result["alone_after_p50_s"])),
         ("B chat p50 during A's flood (s)", result["during_flood_p50_s"]),
         ("ratio", result["ratio"]),
         ("A's adds by status", result["flood_statuses"]),
@@ -235,6 +261,7 @@ def main() -> None:
     parser.add_argument("--arena-pages", type=int, default=96, help="host arena pages: small, so A's facts compete for room")
     parser.add_argument("--max-backoff-s", type=float, default=2.0, help="most seconds A waits after a 429")
     parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--drain-wait-s", type=float, default=90.0, help="most seconds to wait for A's backlog before B chats alone again")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     result = run(args)
