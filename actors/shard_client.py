@@ -102,6 +102,9 @@ class ShardClient:
     async def add_turns(self, user_id: str, turns: Sequence[Turn]) -> None:
         await self._wait(self.actor.add_turns.remote(user_id, list(turns)))
 
+    async def check_encode_backlog(self, user_id: str, new_facts: int) -> None:
+        await self._wait(self.actor.check_encode_backlog.remote(user_id, new_facts))
+
     async def add_facts(self, user_id: str, facts: Sequence[NewFact]) -> list[dict[str, Any]]:
         return await self._wait(self.actor.add_facts.remote(user_id, list(facts)))
 

@@ -6,6 +6,9 @@ Layers, bottom up:
 - FactKVLifecycle moves facts through queued -> encoding (an EncodeJob holds a WRITING entry)
   -> live (committed, in the LRU) -> evicted or released, and back to queued on use.
 
+Fairness (memory.fairness): the queue serves users round robin, and the LRU keeps each user's
+`arena_floor` entries from other users' facts.
+
 Encoding needs the engine, which lives in the LLM replica, so jobs are handed out
 (take_jobs) and reported back (complete_jobs) by whoever drives the engine. No Ray, no vLLM.
 
@@ -20,74 +23,19 @@ and queues only the facts left without KV, so a restart does not re-encode the w
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
 from kvarena.arena import WRITING, ArenaError, ArenaFull, EntryRef, FactArena
-from kvarena.params import EntryPlacement, KVMemoryParams
+from memory.fairness import FairQueue, FloorLRU
+from memory.kv_records import PREFIX_KEY, EncodeJob, EncodeOutcome, FactKV, entry_tag
 from memory.records import FactRecord, Turn
 from memory.prompting import PromptLayout
 
 logger = logging.getLogger(__name__)
-
-PREFIX_KEY = "__prefix__"  # the instruction prefix's arena entry, next to the facts'
-
-
-@dataclass
-class FactKV:
-    """What the shard knows about one fact's KV."""
-
-    user_id: str
-    version: int
-    text: str
-    segment_ids: tuple[int, ...]
-    source_id: str | None = None
-    ref: EntryRef | None = None  # live entry
-    encoding: "EncodeJob | None" = None  # in-flight job
-    attempts: int = 0  # failed encodes so far (engine deaths not counted)
-    error: str | None = None  # why the last encode failed
-    failed: bool = False  # gave up: served as text until the fact changes or the shard restarts
-    neighbours: tuple[str, ...] = ()  # the facts its live or in-flight KV was encoded behind
-
-
-EncodeOutcome = bool | str | None
-"""How an encode job ended: True captured; False not captured; a string: failed, and why; None:
-not run (the engine was unavailable), which does not count as an attempt."""
-
-
-def entry_tag(key: str, version: int, neighbours: Collection[tuple[str, int]] = ()) -> bytes:
-    """The arena tag of a fact's (or the prefix's) entry: 16 bytes naming key, version and the
-    facts (id, version) it was encoded behind, so a restart adopts only KV encoded behind the
-    neighbours the fact has now."""
-    text = f"{key}:{version}" + "".join(f"|{n}:{v}" for n, v in neighbours)
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
-
-
-@dataclass(frozen=True)
-class EncodeJob:
-    """Capture prompt tokens [start, start + length) of `token_ids` into arena entry (entry, generation)."""
-
-    job_id: str
-    key: str  # fact id or PREFIX_KEY
-    version: int
-    entry: int
-    generation: int
-    token_ids: list[int]
-    start: int
-    length: int
-    issued_at: float = 0.0
-    cache_salt: str | None = None  # the fact owner's prefix-cache scope (its window is their text)
-
-    def kv_transfer_params(self) -> dict[str, Any]:
-        placement = EntryPlacement(entry=self.entry, generation=self.generation, start=self.start)
-        return KVMemoryParams(capture=placement).to_kv_transfer_params()
-
 
 WindowOf = Callable[[FactKV], list[Turn]]  # the conversation turns a fact is encoded behind
 NeighboursOf = Callable[[str, FactKV], list[tuple[str, str]]]  # the facts (id, text) it is encoded behind
@@ -110,6 +58,7 @@ class FactKVLifecycle:
         salt_of: Callable[[str], str] | None = None,
         neighbours_of: NeighboursOf | None = None,
         on_live: Callable[[str, FactKV], None] | None = None,
+        arena_floor: int = 0,
     ) -> None:
         self.arena = arena
         self.salt_of = salt_of  # user id -> prefix-cache salt of that user's encodes
@@ -122,9 +71,9 @@ class FactKVLifecycle:
         self.context_tokens = context_tokens  # the engine's context: encode prompts + 1 token fit in it
         self.max_attempts = max_attempts
         self.facts: dict[str, FactKV] = {}
-        self.queue: deque[str] = deque()
+        self.queue = FairQueue()  # users served round robin
         self.in_flight: dict[str, EncodeJob] = {}
-        self.lru: OrderedDict[str, None] = OrderedDict()  # facts with live KV, least recently used first
+        self.lru = FloorLRU(arena_floor)  # facts with live KV, least recently used first, per user
         self.dependents: dict[str, set[str]] = {}  # fact id -> the facts encoded behind it (encode_neighbours)
         self.prefix = FactKV(user_id="", version=1, text=instruction, segment_ids=tuple(layout.prefix_ids))
         self.facts_encoded = 0
@@ -154,7 +103,7 @@ class FactKVLifecycle:
                 continue
             state.ref = ref
             if key != PREFIX_KEY:
-                self.lru[key] = None
+                self.lru.add(key, state.user_id)
             adopted += 1
         entries = self.arena.entries
         for entry_id in np.flatnonzero(entries["state"] == WRITING):  # captures of the previous incarnation
@@ -163,7 +112,10 @@ class FactKVLifecycle:
             except ArenaError:
                 pass
         keys = [PREFIX_KEY, *self.facts] if self.prefix.ref is None else list(self.facts)
-        self.queue = deque(key for key in keys if key == PREFIX_KEY or self.facts[key].ref is None)
+        self.queue = FairQueue()
+        for key in keys:
+            if key == PREFIX_KEY or self.facts[key].ref is None:
+                self.queue.append(key, self._user_of(key))
         return {"adopted": adopted, "released": released, "queued": len(self.queue)}
 
     # ------------------------------------------------------------------ facts in and out
@@ -180,18 +132,15 @@ class FactKVLifecycle:
             source_id=record.source_id,
         )
         if urgent:
-            self.queue.appendleft(record.fact_id)
+            self.queue.appendleft(record.fact_id, record.user_id)
         else:
-            self.queue.append(record.fact_id)
+            self.queue.append(record.fact_id, record.user_id)
 
     def forget(self, fact_id: str) -> None:
         self.drop_kv(fact_id)
         if (state := self.facts.pop(fact_id, None)) is not None:
             self._set_neighbours(fact_id, state, ())
-        try:
-            self.queue.remove(fact_id)
-        except ValueError:
-            pass
+        self.queue.remove(fact_id)
 
     def drop_kv(self, fact_id: str) -> None:
         """Release the fact's live entry. An entry still being captured is left to its job: the
@@ -201,7 +150,7 @@ class FactKVLifecycle:
         if state is not None and state.ref is not None:
             self.arena.release(state.ref)  # retires it if a request still pins it
             state.ref = None
-            self.lru.pop(fact_id, None)
+            self.lru.discard(fact_id)
 
     def reencode_dependents(self, fact_id: str) -> int:
         """Facts encoded behind `fact_id` (a neighbour that was just updated or deleted) lose their
@@ -214,7 +163,7 @@ class FactKVLifecycle:
             self._set_neighbours(key, state, ())
             state.encoding = None  # a capture in flight holds the old text: complete_jobs releases it
             if key not in self.queue:
-                self.queue.append(key)
+                self.queue.append(key, state.user_id)
         return len(dependents)
 
     def _neighbours(self, key: str, state: FactKV) -> list[tuple[str, str]]:
@@ -240,9 +189,9 @@ class FactKVLifecycle:
         """A fact a request is about to use: fresh in the LRU, or queued again if its KV is gone."""
         state = self.facts[fact_id]
         if state.ref is not None:
-            self.lru.move_to_end(fact_id)
+            self.lru.touch(fact_id)
         elif state.encoding is None and not state.failed and fact_id not in self.queue:
-            self.queue.append(fact_id)  # evicted: re-encode on use
+            self.queue.append(fact_id, state.user_id)  # evicted: re-encode on use
         return state
 
     # ------------------------------------------------------------------ encoding
@@ -253,22 +202,24 @@ class FactKVLifecycle:
         self.expire_jobs()
         jobs: list[EncodeJob] = []
         batch_tokens = 0
-        while self.queue and len(jobs) < max_jobs:
-            key = self.queue.popleft()
+        arena_full_for: set[str] = set()  # users whose next fact found no room: serve the others
+        while len(jobs) < max_jobs and (taken := self.queue.take(arena_full_for)) is not None:
+            key, user = taken
             state = self.prefix if key == PREFIX_KEY else self.facts.get(key)
             if state is None or state.ref is not None or state.encoding is not None or state.failed:
                 continue
             try:
                 tokens, start, length = self._encode_tokens(key, state)
                 if jobs and max_tokens is not None and batch_tokens + len(tokens) > max_tokens:
-                    self.queue.appendleft(key)  # first in the next batch
+                    self.queue.appendleft(key, user, user_next=True)  # first in the next batch
                     break
                 batch_tokens += len(tokens)
-                ref = self._allocate(tokens[start : start + length], start, self._tag(key, state))
+                ref = self._allocate(tokens[start : start + length], start, self._tag(key, state), user)
             except ArenaFull as exc:
                 logger.warning("%s: %s; %s stays prefilled as text", self.name, exc, key)
-                self.queue.appendleft(key)
-                break
+                self.queue.appendleft(key, user, user_next=True)
+                arena_full_for.add(user)
+                continue
             except (ArenaError, ValueError) as exc:  # cannot ever fit: no point in retrying
                 self._give_up(key, state, str(exc))
                 continue
@@ -313,7 +264,7 @@ class FactKVLifecycle:
                 continue
             state.ref, state.encoding, state.error = ref, None, None
             if job.key != PREFIX_KEY:
-                self.lru[job.key] = None
+                self.lru.add(job.key, state.user_id)
                 self.facts_encoded += 1
                 if self.on_live is not None:
                     self.on_live(job.key, state)
@@ -322,7 +273,7 @@ class FactKVLifecycle:
 
     def _failed(self, key: str, state: FactKV, outcome: EncodeOutcome) -> None:
         if outcome is None:  # never ran (the engine died or restarts): not the fact's fault
-            self.queue.append(key)
+            self.queue.append(key, state.user_id)
             return
         state.attempts += 1
         state.error = outcome if isinstance(outcome, str) else "the engine did not capture the fact's KV"
@@ -330,14 +281,20 @@ class FactKVLifecycle:
             self._give_up(key, state, state.error)
         else:
             logger.warning("%s: encode of %s failed (%d of %d): %s", self.name, key, state.attempts, self.max_attempts, state.error)
-            self.queue.append(key)
+            self.queue.append(key, state.user_id)
 
     def _give_up(self, key: str, state: FactKV, reason: str) -> None:
         state.failed, state.error = True, reason
         logger.error("%s: %s is served as text from now on: %s", self.name, key, reason)
 
-    def pending(self) -> int:
-        return len(self.queue) + len(self.in_flight)
+    def pending(self, user_id: str | None = None) -> int:
+        """Facts queued or being encoded: the shard's, or one user's."""
+        if user_id is None:
+            return len(self.queue) + len(self.in_flight)
+        return self.queue.queued_of(user_id) + sum(1 for job in self.in_flight.values() if self._user_of(job.key) == user_id)
+
+    def _user_of(self, key: str) -> str:
+        return self.prefix.user_id if key == PREFIX_KEY else self.facts[key].user_id if key in self.facts else ""
 
     def pending_of(self, keys: Collection[str]) -> list[str]:
         """The keys among `keys` still queued or being encoded."""
@@ -378,17 +335,18 @@ class FactKVLifecycle:
                 logger.warning("%s: encode job %s was not reported back; retrying", self.name, job_id)
                 self.complete_jobs({job_id: None})
 
-    def _allocate(self, token_ids: list[int], encode_start: int, tag: bytes) -> EntryRef:
-        """Allocate an entry, evicting the least recently used facts' KV when the arena is full.
+    def _allocate(self, token_ids: list[int], encode_start: int, tag: bytes, user: str) -> EntryRef:
+        """Allocate an entry for a fact of `user`, evicting the least recently used facts' KV when
+        the arena is full, never another user's below their floor (FloorLRU.victims_for).
         Pinned entries are never victims: releasing one would free nothing until its request ends."""
         while True:
             try:
                 return self.arena.allocate(token_ids, encode_start, tag)
             except ArenaFull:
-                victim = next((k for k in self.lru if not self.arena.is_pinned(self.facts[k].ref)), None)
+                victim = next((k for k in self.lru.victims_for(user) if not self.arena.is_pinned(self.facts[k].ref)), None)
                 if victim is None:
                     raise
-                del self.lru[victim]
+                self.lru.discard(victim)
                 state = self.facts[victim]
                 self.arena.release(state.ref)
                 state.ref = None  # prefilled as text until used again

@@ -162,6 +162,30 @@ class MemorySettings(BaseModel):
     encode_request_timeout_s: float = Field(
         120.0, gt=0, description="Most seconds one batch of encode requests may run in the engine before it is aborted."
     )
+    max_pending_encodes_per_user: int = Field(
+        64,
+        ge=0,
+        description="Most of one user's facts waiting for their KV (queued or being encoded); an add that would pass it "
+        "is answered 429 with Retry-After and stores nothing, so one user's flood of adds cannot build a backlog that "
+        "slows every other user's chats and encodes. 0: no bound.",
+    )
+    arena_floor_entries_per_user: int = Field(
+        32,
+        ge=0,
+        description="Each user's most recently used fact KV entries (up to this many) that other users' facts cannot "
+        "evict from the arena (memory.fairness.FloorLRU); only the user's own new facts replace them. 0: one plain LRU.",
+    )
+    encode_share_while_chatting: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="While chats are running on the replica, the background encoder uses at most this share of the "
+        "time (it pauses after each batch for (1 - share) / share of the batch's time), so chats are not slowed by "
+        "encodes and encodes are not starved by chats. 1: encodes never pause.",
+    )
+    encode_batch_while_chatting: int = Field(
+        1, gt=0, description="Most encode requests of one background batch while chats are running (encode_batch otherwise)."
+    )
     add_encode_wait_s: float = Field(
         30.0,
         ge=0,

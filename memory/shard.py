@@ -49,6 +49,7 @@ from memory.embedder import Embedder
 from memory.erasure import RedisCompactor
 from memory.fact_selection import FactSelector
 from memory.fact_store import FactStore
+from memory.fairness import EncodeBacklogFull
 from memory.records import FactEvent, FactRecord, MemoryHit, NewFact, Turn
 from memory.index import build_index
 from memory.kv_lifecycle import PREFIX_KEY, EncodeJob, EncodeOutcome, FactKV, FactKVLifecycle
@@ -126,6 +127,7 @@ class MemoryShard:
             context_tokens=settings.encode_context_tokens,
             max_attempts=settings.max_encode_attempts,
             salt_of=lambda user_id: user_salt(settings.redis_prefix, user_id),
+            arena_floor=settings.arena_floor_entries_per_user,
         )
         self.facts: dict[str, FactKV] = self.kv.facts  # fact id -> its KV state (the same dict)
         self.selector = FactSelector(
@@ -210,6 +212,7 @@ class MemoryShard:
         facts = [NewFact.model_validate(f) for f in facts]
         if not facts:
             return []
+        self.check_encode_backlog(user_id, len(facts))
         self.read_repair.repair(user_id)
         self.store.check_room(user_id, facts)  # the batch whole or nothing (quotas)
         embeddings = self.embedder.embed([f.text for f in facts])
@@ -222,6 +225,16 @@ class MemoryShard:
                     self.track_version(record, embedding)
                 results.append({"id": record.fact_id, "memory": record.text, "event": "ADD" if created else "NONE"})
         return results
+
+    def check_encode_backlog(self, user_id: str, new_facts: int) -> None:
+        """Raise EncodeBacklogFull (429) when `new_facts` more would put the user past
+        max_pending_encodes_per_user facts waiting for their KV (memory.fairness)."""
+        bound = self.settings.max_pending_encodes_per_user
+        if bound and (pending := self.kv.pending(user_id)) + new_facts > bound:
+            raise EncodeBacklogFull(
+                f"user {user_id!r} has {pending} facts waiting for their KV; {new_facts} more would pass the bound of "
+                f"{bound} (memory.max_pending_encodes_per_user): retry after the backlog drains"
+            )
 
     def update(self, fact_id: str, user_id: str, text: str) -> FactRecord:
         """New text, new embedding, new KV; the old KV is released and never injected again."""

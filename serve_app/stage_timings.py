@@ -15,10 +15,16 @@ from __future__ import annotations
 
 import time
 
-from ray.serve.metrics import Histogram
+from ray.serve.metrics import Counter, Histogram
 
 # 0.1 ms .. 10 s: the stages of one request on a GPU are tenths of a millisecond to tens
 STAGE_BOUNDARIES_S = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 10]
+
+
+def count_positive(counter: Counter, value: float) -> None:
+    """Counter.inc refuses 0 (ray.util.metrics); skip empty increments."""
+    if value > 0:
+        counter.inc(value)
 
 
 def stage_histogram() -> Histogram:

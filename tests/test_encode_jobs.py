@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from memory.records import NewFact
-from memory.shard import MemoryShard
+from memory.shard import PREFIX_KEY, MemoryShard
 from tests.test_memory_shard import shard_settings
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,8 @@ def test_an_encode_batch_is_bounded_in_prompt_tokens(smollm2_dir, redis_server) 
         sizes: list[int] = []
         while batch := shard.take_encode_jobs():
             assert len(batch) == 1 or sum(len(job.token_ids) for job in batch) <= 100
-            seen, sizes = seen + [job.key for job in batch], sizes + [len(batch)]
+            # the prefix not run is queued again as a user of its own (round robin): facts only here
+            seen, sizes = seen + [job.key for job in batch if job.key != PREFIX_KEY], sizes + [len(batch)]
             shard.complete_encode_jobs({job.job_id: None for job in batch})  # not run: queued again at the back
             if len(seen) >= len(ids):
                 break

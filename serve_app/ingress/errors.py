@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from memory.fairness import EncodeBacklogFull
 from memory.records import QuotaExceeded
 from serve_app.protocol import ChatCompletionChunk, ChatCompletionResponse, ErrorResponse, NotFound, RequestRejected
 
@@ -47,7 +48,8 @@ _UNAVAILABLE = {
     "BackPressureError", "DeploymentUnavailableError", "ReplicaUnavailableError", "ActorDiedError",
     "ActorUnavailableError", "RayActorError", "ShardTimeout",
 }
-_REFUSALS_WITH_A_CODE = {"QuotaExceeded", "StoreFull"}  # memory.records: 429 and 507, their `code` and `param` kept
+# memory.records and memory.fairness: 429 and 507, their `code` and `param` kept
+_REFUSALS_WITH_A_CODE = {"QuotaExceeded", "StoreFull", "EncodeBacklogFull"}
 _CODE_OF_STATUS = {401: "invalid_api_key"}
 UNAVAILABLE_RETRY_AFTER_S = "5"  # as for a Redis outage (routes.http_error): a restarted replica or shard is back within seconds
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -56,11 +58,12 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 class RefusalsAreNotFailures(logging.Filter):
     """For the `ray.serve` logger of a replica: Ray Serve logs every exception a deployment method
     raises, with its traceback, as a failed request; a refusal (RequestRejected, NotFound,
-    QuotaExceeded: the client gets a 4xx) is not a failure of the replica."""
+    QuotaExceeded, EncodeBacklogFull: the client gets a 4xx) is not a failure of the replica."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return not isinstance(error, (RequestRejected, NotFound, QuotaExceeded))
+        error = getattr(error, "cause", None) or error  # the shard's own exception, out of Ray's wrapper
+        return not isinstance(error, (RequestRejected, NotFound, QuotaExceeded, EncodeBacklogFull))
 
 
 def error_type(status: int) -> str:

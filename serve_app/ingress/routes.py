@@ -40,6 +40,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from memory.directory import UserDirectory
+from memory.fairness import EncodeBacklogFull
 from memory.records import QuotaExceeded, StoreFull, StoreUnavailable, is_fact_id
 from serve_app.ingress.auth import Authenticator, KeyRecord, KeyStore, NewKeyRequest, Principal, caller
 from serve_app.ingress.errors import install_error_handlers
@@ -86,6 +87,8 @@ def http_error(exc: BaseException) -> HTTPException | None:
         return HTTPException(status_code=429, detail=message)
     if isinstance(cause, StoreFull):  # Redis at maxmemory (noeviction) refused the write: nothing changed
         return HTTPException(507, message, {"Retry-After": "60"})
+    if isinstance(cause, EncodeBacklogFull):  # the user's facts waiting for KV are at the bound: nothing stored
+        return HTTPException(429, message, {"Retry-After": str(cause.retry_after_s)})
     if isinstance(cause, StoreUnavailable):  # Redis away: nothing was acknowledged, try again
         return HTTPException(503, message, {"Retry-After": "5"})
     if isinstance(cause, TimeoutError):  # the memory shard did not answer in time (busy, or restarting)

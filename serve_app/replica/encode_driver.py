@@ -10,8 +10,12 @@ window once.
 Nothing here waits without a bound: a batch that runs past `request_timeout_s` is aborted in
 the engine and reported as failed; `drain(deadline_s=...)` and `settle` return at their
 deadline; while the engine is dead no job is taken (an engine death costs no fact an attempt).
-Encodes run at a lower priority than chats (vLLM's priority scheduling, where the engine has
-it), so a shard's backlog after a restart never starves the chats served meanwhile.
+Encodes run at a lower priority than chats and than extraction (serve_app.replica.scheduling),
+and while chats are served (`chats_running`, serve_app.replica.scheduling.ChatsRunning) a batch
+holds at most `batch_while_chatting` requests and is followed by a pause, so encodes take at
+most `share_while_chatting` of the time: a backlog barely slows the chats served meanwhile, and
+chats never starve the encodes. The shard hands out jobs users round robin
+(memory.fairness.FairQueue).
 
 Works with anything that hands out and takes back jobs (EncodeQueue: an
 actors.shard_client.ShardClient over the shard's Ray actor, or over an in-process MemoryShard
@@ -29,10 +33,12 @@ from typing import Any, Callable, Protocol, Sequence
 
 from kvarena.params import PARAMS_KEY
 from memory.kv_lifecycle import EncodeJob, EncodeOutcome
+from memory.settings import MemorySettings
+from serve_app.replica.scheduling import ENCODE_PRIORITY
 
 logger = logging.getLogger(__name__)
 
-ENCODE_PRIORITY = 1  # vLLM serves lower values first; chats and extraction run at 0
+MAX_PAUSE_S = 5.0  # the longest pause after a batch while chats run (a batch that ran long)
 
 
 class EncodeQueue(Protocol):
@@ -151,7 +157,13 @@ class EncodeDriver:
         on_batch: Callable[[int, float], None] | None = None,
         request_timeout_s: float | None = None,
         priority: int = ENCODE_PRIORITY,
+        chats_running: Callable[[], bool] | None = None,
+        batch_while_chatting: int = 1,
+        share_while_chatting: float = 1.0,
     ):
+        self.chats_running = chats_running  # whether the replica is serving chats now (None: never yield)
+        self.batch_while_chatting = batch_while_chatting
+        self.share_while_chatting = share_while_chatting
         self.queue = queue
         self.engine = engine
         self.batch = batch
@@ -160,10 +172,31 @@ class EncodeDriver:
         self.priority = priority
         self._lock = asyncio.Lock()  # one batch at a time; held per batch, so drains interleave
         self._work = asyncio.Event()  # set by wake(): facts were queued, do not wait out the idle poll
+        self.last_batch_s = 0.0  # how long the last batch ran
+
+    def _chatting(self) -> bool:
+        return self.chats_running is not None and self.chats_running()
+
+    async def _yield_to_chats(self, batch_s: float) -> None:
+        """After a batch that ran `batch_s`: while chats run, pause so that encodes take at most
+        share_while_chatting of the time (the pause ends early once no chat is served)."""
+        share = self.share_while_chatting
+        pause_until = time.perf_counter() + min(MAX_PAUSE_S, batch_s * (1.0 - share) / share)
+        while self._chatting() and time.perf_counter() < pause_until:
+            await asyncio.sleep(min(0.05, pause_until - time.perf_counter()))
+
+    @classmethod
+    def for_memory(
+        cls, queue: EncodeQueue, engine: Any, memory: MemorySettings, on_batch: Callable[[int, float], None] | None,
+        chats_running: Callable[[], bool] | None,
+    ) -> "EncodeDriver":
+        """The replica's driver: batches, timeout and share while chatting from the memory settings."""
+        return cls(queue, engine, memory.encode_batch, on_batch, memory.encode_request_timeout_s, chats_running=chats_running,
+                   batch_while_chatting=memory.encode_batch_while_chatting, share_while_chatting=memory.encode_share_while_chatting)
 
     async def _one_batch(self) -> int | None:
         """Take, run and report one batch; None when the shard had nothing queued."""
-        jobs = await self.queue.take_encode_jobs(self.batch)
+        jobs = await self.queue.take_encode_jobs(self.batch_while_chatting if self._chatting() else self.batch)
         if not jobs:
             return None
         started = time.perf_counter()
@@ -176,8 +209,9 @@ class EncodeDriver:
             asyncio.ensure_future(self.queue.complete_encode_jobs({job.job_id: None for job in jobs}))
             raise
         live = await self.queue.complete_encode_jobs(outcomes)
+        self.last_batch_s = time.perf_counter() - started
         if self.on_batch is not None:
-            self.on_batch(live, time.perf_counter() - started)
+            self.on_batch(live, self.last_batch_s)
         return live
 
     async def drain(self, deadline_s: float | None = None, wait_for: Sequence[str] | None = None) -> int:
@@ -206,6 +240,8 @@ class EncodeDriver:
                 live = await self._one_batch()
             finally:
                 self._lock.release()
+            if live is not None and self.share_while_chatting < 1.0:
+                await self._yield_to_chats(self.last_batch_s)
             if live is None:
                 if wait_for is None:
                     return total

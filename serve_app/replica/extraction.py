@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from memory.records import NewFact, Turn
 from memory.prompting import PromptLayout, extraction_schema
+from serve_app.replica.scheduling import MEMORY_WRITE_PRIORITY
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ async def extract_facts(
         if cache_salt:  # the user's own prefix-cache scope (memory.composition.user_salt)
             prompt["cache_salt"] = cache_salt
         final = None
-        async for output in engine.generate(prompt, params, request_id=f"extract-{uuid.uuid4().hex}"):
+        async for output in engine.generate(prompt, params, request_id=f"extract-{uuid.uuid4().hex}", priority=MEMORY_WRITE_PRIORITY):
             final = output
         text = final.outputs[0].text if final is not None else ""
         return [NewFact(text=f, source_id=turn.turn_id, session_time=turn.session_time) for f in parse_facts(text, max_facts)]

@@ -37,6 +37,7 @@ from typing import Any, Callable, Literal, Sequence
 from memory.records import NewFact, UnknownFact
 from memory.records import MemoryHit
 from memory.settings import MemorySettings
+from serve_app.replica.scheduling import MEMORY_WRITE_PRIORITY
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ async def decide(
             prompt["cache_salt"] = cache_salt
         final = None
         params = decision_params(len(candidates))
-        async for output in engine.generate(prompt, params, request_id=f"reconcile-{uuid.uuid4().hex}"):
+        async for output in engine.generate(prompt, params, request_id=f"reconcile-{uuid.uuid4().hex}", priority=MEMORY_WRITE_PRIORITY):
             final = output
         raw = final.outputs[0].text if final is not None else ""
         decision = parse_decision(raw, fact, candidates, min_score=min_score, fits=fits)

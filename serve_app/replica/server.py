@@ -41,9 +41,10 @@ from serve_app.replica.lifecycle import start_backends
 from serve_app.replica.limits import TokenLimits
 from serve_app.replica.reconciliation import reconcile_and_add
 from serve_app.replica.sampling import sampling_params
+from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
 from serve_app.replica.shard_watchdog import ShardWatchdog
 from serve_app.settings import ServiceSettings
-from serve_app.stage_timings import StageClock, stage_histogram
+from serve_app.stage_timings import StageClock, count_positive as _count, stage_histogram
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +56,6 @@ INLINE_TEMPLATE_CHARS = 2000
 logging.getLogger("ray.serve").addFilter(RefusalsAreNotFailures())  # a 4xx is no failed request to log
 
 _TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
-
-
-def _count(counter: Counter, value: float) -> None:
-    """Counter.inc refuses 0 (ray.util.metrics); skip empty increments."""
-    if value > 0:
-        counter.inc(value)
 
 
 @contextlib.contextmanager
@@ -114,8 +109,8 @@ class MemoryLLM:
             _count(self.facts_encoded, live)
             _count(self.encode_seconds, seconds)
 
-        timeout = settings.memory.encode_request_timeout_s
-        self.driver = EncodeDriver(self.shard, self.engine, settings.memory.encode_batch, on_batch, request_timeout_s=timeout)
+        self.chats_running = ChatsRunning()  # the chats being served, which the encoder yields to
+        self.driver = EncodeDriver.for_memory(self.shard, self.engine, settings.memory, on_batch, self.chats_running)
 
     @staticmethod
     def _plan_channel(settings: ServiceSettings, shard_id: int) -> Any:
@@ -185,7 +180,8 @@ class MemoryLLM:
         clock = StageClock()
         self._ensure_driver()
         try:
-            prompt_ids, plan, params = await self._prepare(request, clock)
+            with self.chats_running.one():
+                prompt_ids, plan, params = await self._prepare(request, clock)
             clock.record("prepare", clock.started)
         except (RequestRejected, NotFound):
             self.requests.inc(tags={"outcome": "rejected"})
@@ -202,15 +198,16 @@ class MemoryLLM:
         first_token_at: float | None = None
         timings: dict[str, float] | None = None  # final once the first token is in
         final = None
-        async for output in self.engine.generate(prompt, params, request_id=f"chat-{uuid.uuid4().hex}"):
-            if first_token_at is None and output.outputs and output.outputs[0].token_ids:
-                first_token_at = clock.record("engine_ttft", start)
-                clock.record("replica_ttft", clock.started)
-                self.ttft.observe(first_token_at - start, tags={"mode": mode})
-                clock.observe(self.stage_seconds)
-                timings = clock.rounded()
-            final = output
-            yield output, prompt_ids, plan, timings if timings is not None else clock.rounded()
+        with self.chats_running.one():
+            async for output in self.engine.generate(prompt, params, request_id=f"chat-{uuid.uuid4().hex}", priority=CHAT_PRIORITY):
+                if first_token_at is None and output.outputs and output.outputs[0].token_ids:
+                    first_token_at = clock.record("engine_ttft", start)
+                    clock.record("replica_ttft", clock.started)
+                    self.ttft.observe(first_token_at - start, tags={"mode": mode})
+                    clock.observe(self.stage_seconds)
+                    timings = clock.rounded()
+                final = output
+                yield output, prompt_ids, plan, timings if timings is not None else clock.rounded()
         assert final is not None, "engine returned no output"
         self.requests.inc(tags={"outcome": "ok"})
         _count(self.generated_tokens, len(final.outputs[0].token_ids))
@@ -244,6 +241,8 @@ class MemoryLLM:
         self._ensure_driver()
         await asyncio.to_thread(self.limits.check_add, request)  # token bounds: a 400 before anything is stored
         user = request.user_id
+        if request.messages or request.turns:  # turns are stored before the facts: refuse a full backlog first (429)
+            await self.shard.check_encode_backlog(user, max(1, len(request.facts or [])))
         order = await self.shard.next_turn_order(user)
         turns = [Turn(**t.model_dump(), order=order + i) for i, t in enumerate(request.turns or [])]
         order += len(turns)
