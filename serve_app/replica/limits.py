@@ -98,6 +98,12 @@ class TokenLimits:
                 param=param,
                 code="max_tokens_exceeded",
             )
+        if asked is not None and asked >= self.context:  # no prompt fits beside it: refused before planning
+            raise RequestRejected(
+                f"{param}={asked} leaves no room for a prompt in the context length of {self.context} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
         return asked if asked is not None else self.default_output
 
     def output_tokens(self, prompt_tokens: int, asked: int | None, planned: int, param: str) -> int:
