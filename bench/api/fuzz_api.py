@@ -53,8 +53,8 @@ def fuzz_service_overrides() -> dict[str, Any]:
     a 256-token context, 4 output tokens, one fact per extracted turn (a short JSON answer),
     64-token arena entries (long facts are refused often), one window turn, and the dtype the
     service picks by default (float32 on CPUs without native bf16), so a request costs the engine
-    well under a second on a CPU. Auth is on, as in production: every request carries the
-    admin key (AUTH_HEADER)."""
+    well under a second on a CPU. Auth is on, as in production: the settings admin key
+    (AUTH_HEADER) mints the user-bound key every fuzzed request carries (mint_user_key)."""
     return {
         "auth": {"mode": "keys", "admin_key": FUZZ_ADMIN_KEY, "cache_ttl_s": 30.0},
         "engine": {"dtype": "auto", "max_model_len": 256, "max_num_seqs": 8},  # float32 on CPUs without native bf16
