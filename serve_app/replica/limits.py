@@ -100,7 +100,7 @@ class TokenLimits:
             )
         if asked is not None and asked >= self.context:  # no prompt fits beside it: refused before planning
             raise RequestRejected(
-                f"{param}={asked} leaves no room for a prompt in the context length of {self.context} tokens",
+                f"{param}={asked} exceeds the context length of {self.context} tokens (no room is left for a prompt)",
                 param=param,
                 code="context_length_exceeded",
             )
