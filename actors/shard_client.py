@@ -108,8 +108,8 @@ class ShardClient:
     async def add_facts(self, user_id: str, facts: Sequence[NewFact]) -> list[dict[str, Any]]:
         return await self._wait(self.actor.add_facts.remote(user_id, list(facts)))
 
-    async def update(self, fact_id: str, user_id: str, text: str) -> FactRecord:
-        return await self._wait(self.actor.update.remote(fact_id, user_id, text))
+    async def update(self, fact_id: str, user_id: str, text: str, metadata: dict[str, Any] | None = None) -> FactRecord:
+        return await self._wait(self.actor.update.remote(fact_id, user_id, text, metadata))
 
     async def delete(self, fact_id: str, user_id: str) -> FactRecord:
         return await self._wait(self.actor.delete.remote(fact_id, user_id))

@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from memory.quota import QuotaSettings, Usage, UserQuota, text_bytes
-from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact, new_fact_id
+from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact, content_bytes, new_fact_id
 from memory.redis_keys import RedisKeys, stable_shard
 
 
@@ -144,9 +144,9 @@ class FactStore:
         keys = list(dict.fromkeys(_dedupe_key(f.text, f.source_id) for f in facts))
         if keys:
             known = self.r.hmget(self._user(user_id, "dedupe"), keys)
-            texts = {_dedupe_key(f.text, f.source_id): f.text.strip() for f in facts}
+            sizes = {_dedupe_key(f.text, f.source_id): content_bytes(f.text.strip(), f.metadata) for f in facts}
             new = [k for k, fact_id in zip(keys, known) if fact_id is None]
-            adding = adding + Usage(facts=len(new), text_bytes=sum(text_bytes(texts[k]) for k in new))
+            adding = adding + Usage(facts=len(new), text_bytes=sum(sizes[k] for k in new))
         self.quota.check(user_id, self.usage(user_id), adding)
         return adding
 
@@ -179,6 +179,7 @@ class FactStore:
             text=fact.text.strip(),
             source_id=fact.source_id,
             session_time=fact.session_time,
+            metadata=fact.metadata,
             created_at=now,
             updated_at=now,
         )
@@ -189,7 +190,7 @@ class FactStore:
                 pipe.multi()
                 return existing.decode()
             used = self.quota.read(pipe, user_id)
-            adding = Usage(facts=1, text_bytes=text_bytes(record.text))
+            adding = Usage(facts=1, text_bytes=record.stored_bytes)
             self.quota.check(user_id, used, adding)
             pipe.multi()
             self.quota.record(pipe, user_id, used + adding)
@@ -249,16 +250,22 @@ class FactStore:
     def get_all(self, user_id: str) -> list[FactRecord]:
         return [record for record, _ in self.all_with_embeddings(user_id)]
 
-    def update(self, fact_id: str, user_id: str, text: str, embedding: np.ndarray) -> FactRecord:
+    def update(
+        self, fact_id: str, user_id: str, text: str, embedding: np.ndarray, metadata: dict[str, Any] | None = None
+    ) -> FactRecord:
+        """A new version of the fact: its text, and its metadata when given (None keeps it)."""
         old = self.get(fact_id, user_id)
         now = time.time()
-        new = old.model_copy(update={"text": text.strip(), "version": old.version + 1, "updated_at": now})
+        changes: dict[str, Any] = {"text": text.strip(), "version": old.version + 1, "updated_at": now}
+        if metadata is not None:
+            changes["metadata"] = metadata
+        new = old.model_copy(update=changes)
         new_key = _dedupe_key(new.text, new.source_id)
         old_key = self._dedupe_of(fact_id)
 
         def write(pipe: redis.client.Pipeline) -> None:
             used = self.quota.read(pipe, user_id)
-            adding = Usage(text_bytes=text_bytes(new.text) - text_bytes(old.text))
+            adding = Usage(text_bytes=new.stored_bytes - old.stored_bytes)
             self.quota.check(user_id, used, adding)
             pipe.multi()
             pipe.hdel(self._user(user_id, "dedupe"), old_key)
@@ -291,7 +298,7 @@ class FactStore:
             pipe.hset(self._fact(fact_id), mapping={"user_id": json.dumps(user_id), "version": old.version, "deleted": "1", "updated_at": now})
             pipe.delete(self._history(fact_id))
             pipe.rpush(self._history(fact_id), *[e.model_copy(update={"old_text": None, "new_text": None}).model_dump_json() for e in events])
-            self.quota.record(pipe, user_id, used + Usage(facts=-1, text_bytes=-text_bytes(old.text)))
+            self.quota.record(pipe, user_id, used + Usage(facts=-1, text_bytes=-old.stored_bytes))
             pipe.incr(self.keys.erasure_pending())  # Redis's files owe a rewrite (memory.erasure)
 
         self.r.transaction(write, self.quota.usage_key(user_id))

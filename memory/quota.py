@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from memory.records import QuotaExceeded, Turn
+from memory.records import QuotaExceeded, Turn, content_bytes
 from memory.redis_keys import RedisKeys
 
 USAGE_FIELDS = ("facts", "turns", "text_bytes")
@@ -79,9 +79,9 @@ class UserQuota:
     def derive(self, client: Any, user_id: str) -> Usage:
         """The use counted from the user's records (a user stored before the counters existed)."""
         fact_ids = [x.decode() for x in client.smembers(self.keys.user(user_id, "facts"))]
-        fact_texts = [client.hget(self.keys.fact(fact_id), "text") for fact_id in fact_ids]
+        facts = [client.hmget(self.keys.fact(fact_id), ["text", "metadata"]) for fact_id in fact_ids]
         turns = client.hvals(self.keys.user(user_id, "turns"))
-        stored = sum(text_bytes(json.loads(t)) for t in fact_texts if t is not None)
+        stored = sum(content_bytes(json.loads(t), json.loads(m) if m else None) for t, m in facts if t is not None)
         stored += sum(text_bytes(Turn.model_validate_json(t).text) for t in turns)
         return Usage(facts=len(fact_ids), turns=len(turns), text_bytes=stored)
 

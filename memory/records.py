@@ -6,10 +6,11 @@ these (memory.fact_store keeps them durable in Redis; memory.redis_keys says whe
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -88,6 +89,7 @@ class NewFact(BaseModel):
     text: str = Field(..., min_length=1, max_length=2000, description="The fact, one sentence.")
     source_id: str | None = Field(None, description="Turn id the fact was extracted from (its window ends there).")
     session_time: str | None = Field(None, description="When the source conversation happened.")
+    metadata: dict[str, Any] | None = Field(None, description="The client's JSON object, kept with the fact (Mem0's metadata).")
 
 
 class FactRecord(BaseModel):
@@ -96,9 +98,23 @@ class FactRecord(BaseModel):
     text: str
     source_id: str | None = None
     session_time: str | None = None
+    metadata: dict[str, Any] | None = None
     version: int = 1
     created_at: float
     updated_at: float
+
+    @property
+    def stored_bytes(self) -> int:
+        """What the record's client-given content costs against the user's text quota (memory.quota)."""
+        return content_bytes(self.text, self.metadata)
+
+
+def content_bytes(text: str, metadata: dict[str, Any] | None = None) -> int:
+    """UTF-8 bytes of a fact's text plus its metadata as compact UTF-8 JSON (what memory.quota counts)."""
+    size = len(text.encode())
+    if metadata:
+        size += len(json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode())
+    return size
 
 
 class FactEvent(BaseModel):

@@ -236,12 +236,13 @@ class MemoryShard:
                 f"{bound} (memory.max_pending_encodes_per_user): retry after the backlog drains"
             )
 
-    def update(self, fact_id: str, user_id: str, text: str) -> FactRecord:
-        """New text, new embedding, new KV; the old KV is released and never injected again."""
+    def update(self, fact_id: str, user_id: str, text: str, metadata: dict[str, Any] | None = None) -> FactRecord:
+        """New text (and metadata, when given), new embedding, new KV; the old KV is released and
+        never injected again."""
         embedding = self.embedder.embed([text])[0]
         self.read_repair.repair(user_id)
         with self.read_repair.writing(user_id):
-            record = self.store.update(fact_id, user_id, text, embedding)
+            record = self.store.update(fact_id, user_id, text, embedding, metadata)
         self.track_version(record, embedding)
         return record
 

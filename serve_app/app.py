@@ -11,7 +11,7 @@ from typing import Any
 
 from ray import serve
 
-from serve_app.ingress.routes import ChatAPI
+from serve_app.ingress.router import ChatAPI
 from serve_app.replica.direct_ingress import direct_deployment
 from serve_app.replica.engine import check_engine_kwargs
 from serve_app.replica.server import LLMReplica

@@ -1,16 +1,18 @@
-"""HTTP request/response models: OpenAI chat completions, plus Mem0-style memory operations.
+"""HTTP request/response models of the chat API (OpenAI chat completions) and the errors every
+route answers with; the memory API's models are in serve_app.memory_protocol.
 
 Everything a client sends is bounded here, in characters and counts (the ingress cannot
 tokenize: it imports neither torch nor transformers). Token bounds (a fact must fit one arena
 entry, a prompt plus its output the context) are checked by the replica, which answers 400
 before anything is stored or generated. Fields of OpenAI's API that this service does not
-implement are refused by name (400, `extra="forbid"`), never silently ignored; `n` must be 1.
+implement are refused by name (400, `extra="forbid"`), never silently ignored.
 Types are strict, as the JSON schema says (`"max_tokens": "5"` or `"stream": 1` is refused,
 not coerced).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -25,15 +27,12 @@ MAX_CHAT_MESSAGES = 256
 MAX_MESSAGE_CHARS = 100_000  # per chat message; the context length bounds the whole prompt in tokens
 MAX_REQUEST_CHARS = 400_000  # all text of one request: the replica tokenizes it (about 0.3 s at this size)
 MAX_CONTENT_PARTS = 64
-MAX_ADD_MESSAGES = 8  # each user message costs one extraction request (up to 256 generated tokens)
-MAX_FACTS_PER_ADD = 64
-MAX_FACT_CHARS = 2_000  # the replica also bounds tokens: one arena entry per fact
-MAX_TURNS_PER_ADD = 256
-MAX_TURN_CHARS = 20_000
 MAX_ID_CHARS = 256
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_CHOICES = 8  # n: each choice costs a whole generation
+MAX_SCHEMA_BYTES = 16_384  # response_format's JSON schema, compiled to a grammar by the engine
 MAX_TOKENS_FIELD = 1_000_000  # a sanity bound; the replica checks against the context and the service limit
 INT64 = 2**63 - 1
 
@@ -89,15 +88,6 @@ class InputMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": self.text}
 
 
-class MemoryMessage(BaseModel):
-    """A conversation message given to memory add (recorded as a turn)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(..., max_length=MAX_TURN_CHARS)
-
-
 class MemoryOptions(BaseModel):
     """How a chat request uses the user's memory (an extension field of the request body)."""
 
@@ -117,6 +107,39 @@ class MemoryOptions(BaseModel):
         description="Mode kv: prefill the m most relevant facts as text after the injected ones, so they attend to the "
         "other facts (the cross-fact repair); default memory.prefill_top_m.",
     )
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = Field(None, max_length=2_000)
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="A JSON Schema the answer must follow.")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _bounded_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and (size := len(json.dumps(value).encode())) > MAX_SCHEMA_BYTES:
+            raise ValueError(f"the JSON schema holds {size} bytes; at most {MAX_SCHEMA_BYTES}")
+        return value
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -155,19 +178,15 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="Most likely alternatives per token (needs logprobs=true)."
     )
-    n: int | None = Field(None, ge=1, le=1, description="Choices per request: only 1 is supported.")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description=f"Choices per request (at most {MAX_CHOICES}); each is sampled on its own.")
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object: the answer is a JSON object; json_schema: it follows the schema (vLLM's structured outputs)."
+    )
     stream: bool | None = Field(False, description="Stream server-sent events of chat.completion.chunk objects.")
     stream_options: StreamOptions | None = Field(None, description="Only with stream=true.")
     memory: MemoryOptions = Field(
         default_factory=MemoryOptions, description="Memory use; applies when `user` is set."
     )
-
-    @field_validator("n", mode="before")
-    @classmethod
-    def _one_choice(cls, value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool) and value != 1:
-            raise ValueError(f"n={value} is not supported: this service returns one choice per request (n must be 1)")
-        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "ChatCompletionRequest":
@@ -294,74 +313,6 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
     memory: MemoryUsage | None = None
     timings: dict[str, float] | None = Field(None, description=TIMINGS_DESCRIPTION)
-
-
-class TurnIn(BaseModel):
-    """A conversation turn given with facts (its id is what facts' source_id refers to)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    turn_id: str = Field(..., min_length=1, max_length=128)
-    speaker: str = Field(..., min_length=1, max_length=128)
-    text: str = Field(..., max_length=MAX_TURN_CHARS)
-    session_time: str | None = Field(None, max_length=64)
-
-
-class AddMemoryRequest(BaseModel):
-    """Mem0 `add`: messages (facts extracted by the served model) or facts given directly."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    user_id: str = Field(..., min_length=1, max_length=MAX_ID_CHARS)
-    messages: list[MemoryMessage] | None = Field(
-        None, max_length=MAX_ADD_MESSAGES, description="Conversation turns to extract facts from (infer=true)."
-    )
-    facts: list[Annotated[NonBlank, Field(max_length=MAX_FACT_CHARS)]] | None = Field(
-        None,
-        max_length=MAX_FACTS_PER_ADD,
-        description="Facts stored as given (source: the last turn, if any). Each must fit one KV arena entry "
-        "(256 tokens by default); a longer one is refused with 400 and nothing is stored.",
-    )
-    turns: list[TurnIn] | None = Field(
-        None, max_length=MAX_TURNS_PER_ADD, description="Turns to record before the facts (their context window)."
-    )
-    source_id: str | None = Field(None, min_length=1, max_length=128, description="Turn id the given facts come from.")
-    infer: bool = Field(True, description="Extract facts from `messages` with the served model.")
-    reconcile: bool | None = Field(
-        None,
-        description="Reconcile the extracted facts with the user's memory (ADD / UPDATE / DELETE / NONE, decided by the "
-        "served model); null: the service's memory.reconcile setting.",
-    )
-    wait_for_kv: bool = Field(
-        False,
-        description="Answer only once the facts' KV is live (at most memory.add_encode_wait_s). By default an add "
-        "answers as soon as its records are durable in Redis; the KV follows in the background (pending_encodes in "
-        "/v1/shards) and chats prefill the facts as text until then.",
-    )
-
-    @model_validator(mode="after")
-    def _something_to_add(self) -> "AddMemoryRequest":
-        if not self.messages and not self.facts and not self.turns:
-            raise ValueError("give messages, facts or turns")
-        texts = [m.content for m in self.messages or []] + list(self.facts or []) + [t.text for t in self.turns or []]
-        if (total := sum(len(text) for text in texts)) > MAX_REQUEST_CHARS:
-            raise ValueError(f"messages, facts and turns hold {total} characters; at most {MAX_REQUEST_CHARS} per request")
-        return self
-
-
-class SearchMemoryRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    user_id: str = Field(..., min_length=1, max_length=MAX_ID_CHARS)
-    query: str = Field(..., min_length=1, max_length=MAX_TURN_CHARS)
-    limit: int = Field(10, gt=0, le=200)
-
-
-class UpdateMemoryRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    text: NonBlank = Field(..., max_length=MAX_FACT_CHARS, description="New text; must fit one KV arena entry.")
-    wait_for_kv: bool = Field(False, description="Answer only once the new text's KV is live, as for an add.")
 
 
 class ErrorBody(BaseModel):

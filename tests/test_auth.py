@@ -57,8 +57,8 @@ def keys(service: str) -> dict[str, str]:
 
 def b_state(service: str, bea: str, fact_ids: list[str]) -> Any:
     records = ok(call("GET", f"{service}/v1/memories", bea, params={"user_id": "bea"}))["results"]
-    histories = [ok(call("GET", f"{service}/v1/memories/{f}/history", bea))["results"] for f in fact_ids]
-    return sorted((r["fact_id"], r["text"], r["version"]) for r in records), histories
+    histories = [ok(call("GET", f"{service}/v1/memories/{f}/history", bea)) for f in fact_ids]
+    return sorted((r["id"], r["memory"], r["version"]) for r in records), histories
 
 
 def test_a_key_never_reaches_another_users_data(service: str, keys: dict[str, str]) -> None:
@@ -154,9 +154,9 @@ def test_delete_erases_text_and_delete_all_erases_the_user(service: str, keys: d
     secret = "Bea's locker code is 4711."
     (added,) = ok(call("POST", f"{service}/v1/memories", bea, json={"user_id": "bea", "facts": [secret]}))["results"]
     ok(call("DELETE", f"{service}/v1/memories/{added['id']}", bea))
-    history = ok(call("GET", f"{service}/v1/memories/{added['id']}/history", bea))["results"]
+    history = ok(call("GET", f"{service}/v1/memories/{added['id']}/history", bea))
     assert [e["event"] for e in history] == ["ADD", "DELETE"]
-    assert all(e["old_text"] is None and e["new_text"] is None for e in history)
+    assert all(e["old_memory"] is None and e["new_memory"] is None for e in history)
     client = redis.Redis.from_url(redis_server.url)
     service_keys = list(client.scan_iter(match=f"{PREFIX}:*"))
     assert service_keys  # the prefix is the service's: the scan below looks at its data
@@ -261,4 +261,4 @@ def test_one_404_for_every_fact_id_shape_not_owned(service: str, keys: dict[str,
                 assert answer.status_code == 404, (method, shape, suffix, answer.text)
                 error = {**answer.json()["error"], "message": answer.json()["error"]["message"].replace(shape, "ID")}
                 assert error == (expected := expected or error), (method, shape, error)
-    assert ok(call("GET", f"{service}/v1/memories/{b_id}", bea))["text"] == "Bea's bike is red."  # untouched
+    assert ok(call("GET", f"{service}/v1/memories/{b_id}", bea))["memory"] == "Bea's bike is red."  # untouched

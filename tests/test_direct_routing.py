@@ -92,7 +92,7 @@ def test_memory_lands_on_the_users_shard(service: str, keys: dict[int, str]) -> 
     for shard, user in USERS.items():
         for session in (user, USERS[1 - shard], None):  # wherever it lands, the user's own facts
             records = ok(call("GET", f"{service}/v1/memories", keys[shard], session, params={"user_id": user}))["results"]
-            assert sorted(r["text"] for r in records) == sorted(FACTS[shard])
+            assert sorted(r["memory"] for r in records) == sorted(FACTS[shard])
 
 
 def test_chat_with_the_header_takes_one_hop(service: str, keys: dict[int, str]) -> None:

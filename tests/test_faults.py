@@ -152,13 +152,13 @@ def _check_nothing_lost_or_leaked(url: str, load: Load) -> None:
     stats = _settled(url)
     for user, ids in load.acked.items():
         records = requests.get(url + "/v1/memories", params={"user_id": user}, timeout=30).json()["results"]
-        assert ids <= {r["fact_id"] for r in records}, f"acknowledged facts of {user} lost"
+        assert ids <= {r["id"] for r in records}, f"acknowledged facts of {user} lost"
         # every acknowledged fact's KV is live, or was evicted for room (the module's loads together
         # can fill the arena's 512 entries on a fast machine); never failed, never stuck encoding.
         # An add whose Redis write landed but whose reply was lost to the crash was not acknowledged,
         # but its record is Redis's: the shard took it over (memory.read_repair), never "unknown".
-        assert not [r["fact_id"] for r in records if r["kv"] == "unknown"], records
-        kv = [(r["fact_id"], r["kv"], r["kv_error"]) for r in records if r["fact_id"] in ids]
+        assert not [r["id"] for r in records if r["kv"] == "unknown"], records
+        kv = [(r["id"], r["kv"], r["kv_error"]) for r in records if r["id"] in ids]
         assert {state for _, state, _ in kv} <= {"live", "evicted"} and "live" in {state for _, state, _ in kv}, kv
         status, answer = ask(url, user, "Which box holds item 1?", top_k=50)
         assert status == 200 and ids <= set(answer["memory"]["fact_ids"])  # answered from every one of them

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from serve_app.protocol import AddMemoryRequest, ChatCompletionRequest
+from serve_app.memory_protocol import AddMemoryRequest
+from serve_app.protocol import ChatCompletionRequest
 
 REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "loadtest/locustfile.py"

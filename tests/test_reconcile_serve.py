@@ -30,7 +30,7 @@ def _post(url: str, body: dict) -> dict:
 
 
 def _current(base: str, user: str) -> dict[str, dict]:
-    return {r["fact_id"]: r for r in requests.get(base, params={"user_id": user}, timeout=60).json()["results"]}
+    return {r["id"]: r for r in requests.get(base, params={"user_id": user}, timeout=60).json()["results"]}
 
 
 def test_a_contradicting_turn_updates_the_old_fact(served_app: str) -> None:
@@ -53,14 +53,14 @@ def test_a_contradicting_turn_updates_the_old_fact(served_app: str) -> None:
         assert changed[0]["previous_memory"] == "I live in Leeds." and "Berlin" in changed[0]["memory"]
 
     current = _current(base, "rita")
-    print("memory now:", [r["text"] for r in current.values()])
-    assert not any("Leeds" in r["text"] for r in current.values())
-    assert current[cat]["text"] == "I have a cat called Miso." and current[cat]["version"] == 1  # unrelated: untouched
-    berlin = {i for i, r in current.items() if "Berlin" in r["text"]}
+    print("memory now:", [r["memory"] for r in current.values()])
+    assert not any("Leeds" in r["memory"] for r in current.values())
+    assert current[cat]["memory"] == "I have a cat called Miso." and current[cat]["version"] == 1  # unrelated: untouched
+    berlin = {i for i, r in current.items() if "Berlin" in r["memory"]}
     assert berlin
-    history = requests.get(f"{base}/{leeds}/history", timeout=60).json()["results"]
+    history = requests.get(f"{base}/{leeds}/history", timeout=60).json()
     assert [e["event"] for e in history] in (["ADD", "UPDATE"], ["ADD", "DELETE"])
-    assert history[0]["new_text"] == "I live in Leeds."
+    assert history[0]["new_memory"] == "I live in Leeds."
 
     chat = {"user": "rita", "messages": [{"role": "user", "content": "Which city do I live in?"}], "max_tokens": 16}
     for mode in ("kv", "prompt"):

@@ -106,10 +106,10 @@ def test_memory_add_search_chat_update_delete(served_app: str) -> None:
     assert updated.status_code == 200 and updated.json()["version"] == 2
     assert requests.delete(f"{base}/{ids[0]}", timeout=60).status_code == 200
     listed = requests.get(base, params={"user_id": "erin"}, timeout=60).json()["results"]
-    assert [(r["fact_id"], r["text"]) for r in listed] == [(ids[1], "Erin works as a teacher in York.")]
+    assert [(r["id"], r["memory"]) for r in listed] == [(ids[1], "Erin works as a teacher in York.")]
     hits = _post(f"{base}/search", {"user_id": "erin", "query": "cat Miso nurse Leeds", "limit": 10})["results"]
     assert [h["id"] for h in hits] == [ids[1]]
-    history = requests.get(f"{base}/{ids[0]}/history", timeout=60).json()["results"]
+    history = requests.get(f"{base}/{ids[0]}/history", timeout=60).json()
     assert [e["event"] for e in history] == ["ADD", "DELETE"]
 
     # unknown or foreign facts: 404, and nothing changes
@@ -117,7 +117,7 @@ def test_memory_add_search_chat_update_delete(served_app: str) -> None:
     assert requests.get(f"{base}/nope", timeout=60).status_code == 404
     assert requests.delete(f"{base}/{frank_id}", params={"user_id": "erin"}, timeout=60).status_code == 404
     owned = requests.get(f"{base}/{frank_id}", params={"user_id": "frank"}, timeout=60).json()  # unchanged, read by its owner
-    assert owned["text"] == "Erin's cat is called Miso."
+    assert owned["memory"] == "Erin's cat is called Miso."
     assert _post(base, {"user_id": "erin"}, status=400)
     assert requests.delete(base, params={"user_id": "frank"}, timeout=60).json()["deleted"] == 1
     shards = requests.get(f"{served_app}/v1/shards", timeout=60).json()["results"]
@@ -136,7 +136,7 @@ def test_add_from_messages_extracts_facts_with_the_served_model(served_app: str)
     results = _post(f"{served_app}/v1/memories", body)["results"]
     assert 1 <= len(results) <= 5 and all(r["event"] == "ADD" and r["memory"] for r in results)
     records = requests.get(f"{served_app}/v1/memories", params={"user_id": "gina"}, timeout=60).json()["results"]
-    assert {r["fact_id"] for r in records} == {r["id"] for r in results}
+    assert {r["id"] for r in records} == {r["id"] for r in results}
     assert all(r["source_id"] and r["source_id"].startswith("m-") for r in records)
 
 

@@ -314,19 +314,19 @@ def test_the_settings_admin_key_and_auth_off_pass_the_gate() -> None:
 
 
 def test_the_largest_legitimate_request_fits_the_default_body_limit() -> None:
-    """The protocol's bounds admit 400,000 characters per request; sent \\u-escaped (Python's json
+    """The protocols' bounds admit 400,000 characters per request (and 4 KB of metadata); sent \\u-escaped (Python's json
     and `requests` escape every non-ASCII character, 12 bytes for one outside the BMP) with every
     id at its longest, the body must still fit."""
-    from serve_app.protocol import (
-        MAX_ID_CHARS, MAX_REQUEST_CHARS, MAX_TURN_CHARS, MAX_TURNS_PER_ADD, AddMemoryRequest, ChatCompletionRequest,
-    )
+    from serve_app.memory_protocol import MAX_METADATA_BYTES, MAX_TURN_CHARS, MAX_TURNS_PER_ADD, AddMemoryRequest
+    from serve_app.protocol import MAX_ID_CHARS, MAX_REQUEST_CHARS, ChatCompletionRequest
     from serve_app.settings import ServiceSettings
 
     wide = "\U0001f600"
     per_turn = MAX_REQUEST_CHARS // MAX_TURNS_PER_ADD
     add = {"user_id": wide * MAX_ID_CHARS, "source_id": wide * 128,
            "turns": [{"turn_id": wide * 128, "speaker": wide * 128, "text": wide * per_turn, "session_time": wide * 64}
-                     for _ in range(MAX_TURNS_PER_ADD)]}
+                     for _ in range(MAX_TURNS_PER_ADD)],
+           "metadata": {"note": wide * ((MAX_METADATA_BYTES - 20) // 4)}}  # 4 UTF-8 bytes each, at the metadata bound
     chat = {"user": wide * MAX_ID_CHARS, "messages": [{"role": "user", "content": wide * 100_000}] * 4}
     assert per_turn <= MAX_TURN_CHARS
     limit = ServiceSettings().max_body_bytes

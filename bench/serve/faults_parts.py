@@ -327,7 +327,7 @@ def check_facts(client: httpx.Client, user: str, acked: list[str], top_k: int, m
     response = client.get("/v1/memories", params={"user_id": user}, headers={"x-session-id": user})
     if response.status_code != 200:
         return {**out, "lost_facts": None, "facts_error": f"list: HTTP {response.status_code}: {response.text[:300]}"}
-    records = {r["fact_id"]: r for r in response.json()["results"]}
+    records = {r["id"]: r for r in response.json()["results"]}
     out["lost_facts"] = [fact for fact in acked if fact not in records]
     out["kv_states"] = dict(Counter(records[f]["kv"] for f in acked if f in records))
     out["kv_not_kept"] = [(f, records[f]["kv"], records[f].get("kv_error")) for f in acked if f in records and records[f]["kv"] not in KV_KEPT]

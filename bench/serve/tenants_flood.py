@@ -184,9 +184,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         listed = client.get("/v1/memories", params={"user_id": "ann"}, headers=bearer(keys["ann"]))
         listed.raise_for_status()
-        listed_ids = {r["fact_id"] for r in listed.json()["results"]}
+        listed_ids = {r["id"] for r in listed.json()["results"]}
         bea_records = client.get("/v1/memories", params={"user_id": "bea"}, headers=bearer(keys["bea"])).json()["results"]
-        b_kv = Counter(r["kv"] for r in bea_records if r["fact_id"] in set(b_ids))
+        b_kv = Counter(r["kv"] for r in bea_records if r["id"] in set(b_ids))
         shards = client.get("/v1/shards", headers=bearer(ADMIN_KEY)).json()
         # B alone again once A's backlog is encoded: the machine is shared, so alone is measured on
         # both sides of the flood (a load that changed meanwhile shows as before != after)

@@ -5,7 +5,7 @@ a dependency comes too late: a malformed body without a key got 400, and a 4 MB 
 key was read and parsed in full. The gate runs before routing, on the raw request:
 
 1. every path but OPEN_PATHS needs a valid key (serve_app.ingress.auth.Authenticator, from the
-   `Authorization: Bearer` header alone): 401 (or 503 while the key store cannot answer) without
+   `Authorization: Bearer` or Mem0's `Token` header alone): 401 (or 503 while the key store cannot answer) without
    one receive() of the body;
 2. the body is bounded while it is read (`max_body_bytes`, serve_app.settings): 413 at once when
    Content-Length says more, else as soon as the bytes received (chunked or not, whatever
@@ -60,10 +60,13 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def bearer_key(authorization: str | None) -> str | None:
-    """The key of an `Authorization: Bearer <key>` header (scheme case-insensitive), else None."""
+API_KEY_SCHEMES = ("bearer", "token")  # OpenAI's clients send Bearer, Mem0's Token
+
+
+def api_key_of(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` or `Token <key>` header (scheme case-insensitive), else None."""
     scheme, _, key = (authorization or "").strip().partition(" ")
-    return (key.strip() or None) if scheme.lower() == "bearer" else None
+    return (key.strip() or None) if scheme.lower() in API_KEY_SCHEMES else None
 
 
 class RequestGate:
@@ -83,7 +86,7 @@ class RequestGate:
         if _route_path(scope) not in OPEN_PATHS:
             started = time.perf_counter()
             try:
-                state["principal"] = await ingress.auth.principal(bearer_key(_header(scope, b"authorization")))
+                state["principal"] = await ingress.auth.principal(api_key_of(_header(scope, b"authorization")))
             except HTTPException as refused:
                 await self._refuse(scope, receive, send, refused.status_code, str(refused.detail), dict(refused.headers or {}))
                 return

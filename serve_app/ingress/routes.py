@@ -1,21 +1,24 @@
-"""The HTTP routes (ChatRoutes) and the router deployment that serves them (ChatAPI).
+"""The HTTP routes of this service's own API (ChatRoutes), for whichever deployment is the ingress.
 
-ChatAPI (`routing: router`, the default) runs in its own Serve replicas in front of one
-LLMReplica deployment per shard and sends each user to the replica holding that user's memory;
-it imports neither torch nor vLLM (tests/test_layout.py checks), so it starts in a second and
-stays light. With `routing: direct` the same routes run inside each LLM replica
-(serve_app.replica.direct_ingress), one Serve hop fewer.
+The router deployment (serve_app.ingress.router.ChatAPI, `routing: router`, the default) runs them
+in its own Serve replicas in front of one LLMReplica deployment per shard, and sends each user to
+the replica holding that user's memory; it imports neither torch nor vLLM (tests/test_layout.py
+checks), so it starts in a second and stays light. With `routing: direct` the same routes run
+inside each LLM replica (serve_app.replica.direct_ingress), one Serve hop fewer. Subclasses add the
+Mem0 platform's routes (.mem0_routes) and text completions (.completion_routes).
 
-Routes (OpenAI chat completions plus Mem0-style memory operations):
+Routes (OpenAI chat completions plus memory operations in Mem0's shapes, serve_app.memory_protocol;
+every memory route also answers at its path with a trailing slash, as Mem0's clients call it):
     POST   /v1/chat/completions          chat; `user` selects the memory, `memory` the mode
+    POST   /v1/completions               text completion, no memory (serve_app.ingress.completion_routes)
     POST   /v1/memories                  add (messages -> extracted facts, or facts given)
     GET    /v1/memories?user_id=         get_all
     POST   /v1/memories/search           search
     GET    /v1/memories/{id}             get
-    PUT    /v1/memories/{id}             update (re-encodes the fact's KV)
+    PUT    /v1/memories/{id}             update (text re-encodes the fact's KV; metadata)
     DELETE /v1/memories/{id}             delete
     DELETE /v1/memories?user_id=         delete_all
-    GET    /v1/memories/{id}/history     history
+    GET    /v1/memories/{id}/history     history (a list of events, oldest first)
     GET    /v1/shards                    per-shard statistics (bytes per tier, facts, queue); admin
     POST   /v1/admin/keys                create an API key (admin); GET lists, DELETE /{key_id} revokes
     GET    /health                       Redis, and each replica's engine and shard (no key needed)
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -45,19 +48,20 @@ from memory.records import QuotaExceeded, StoreFull, StoreUnavailable, is_fact_i
 from serve_app.ingress.auth import Authenticator, KeyRecord, KeyStore, NewKeyRequest, Principal, caller
 from serve_app.ingress.errors import install_error_handlers
 from serve_app.ingress.gate import RequestGate
-from serve_app.protocol import (
+from serve_app.memory_protocol import (
     AddMemoryRequest,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    NotFound,
-    RequestRejected,
+    MemoryHistoryItem,
+    MemoryItem,
+    MemorySearchHit,
     SearchMemoryRequest,
     UpdateMemoryRequest,
 )
+from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, NotFound, RequestRejected
 from serve_app.settings import ServiceSettings
 from serve_app.stage_timings import StageClock, stage_histogram
 
 logger = logging.getLogger(__name__)
+EndpointT = TypeVar("EndpointT", bound=Callable[..., Any])
 
 api = FastAPI(title="kv-memory-serve", description="LLM serving with per-user KV-injected memory.")
 install_error_handlers(api)  # OpenAI-shaped 4xx/5xx bodies, documented in the OpenAPI schema
@@ -71,6 +75,18 @@ def serving_ingress() -> "ChatRoutes":
 
 # Before routing, so before FastAPI reads a body: key (401) and body size (413) first.
 api.add_middleware(RequestGate, ingress=serving_ingress)
+
+
+def memory_route(verb: Literal["GET", "POST", "PUT", "DELETE"], path: str) -> Callable[[EndpointT], EndpointT]:
+    """Registers a route at `path` and at `path/`: Mem0's clients end every path with a slash, and a
+    redirect would cost them a round trip (httpx does not follow it). The alias is left out of the schema."""
+
+    def register(endpoint: EndpointT) -> EndpointT:
+        api.add_api_route(path, endpoint, methods=[verb])
+        api.add_api_route(f"{path}/", endpoint, methods=[verb], include_in_schema=False)
+        return endpoint
+
+    return register
 
 
 def http_error(exc: BaseException) -> HTTPException | None:
@@ -204,6 +220,11 @@ class ChatRoutes:
         events = replica.options(stream=True).chat_stream.remote(request, scope)
         first = await self._answer(events.__anext__())  # a refusal comes as a status, not a stream
         clock.record("replica_first_event", called)
+        headers = {"Server-Timing": self._timed(clock), "X-KVMem-Route": route}
+        return self._relayed(first, events, headers)
+
+    def _relayed(self, first: str, events: Any, headers: dict[str, str]) -> StreamingResponse:
+        """A replica's server-sent events after `first`, each awaited at most replica_call_timeout_s."""
         timeout = self.settings.replica_call_timeout_s
 
         async def relay() -> AsyncIterator[str]:
@@ -219,7 +240,6 @@ class ChatRoutes:
                     return
                 yield event
 
-        headers = {"Server-Timing": self._timed(clock), "X-KVMem-Route": route}
         return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
 
     def _timed(self, clock: StageClock) -> str:
@@ -229,7 +249,7 @@ class ChatRoutes:
         return clock.server_timing()
 
     # ------------------------------------------------------------------ memory
-    @api.post("/v1/memories")
+    @memory_route("POST", "/v1/memories")
     async def add_memories(
         self, request: AddMemoryRequest, principal: Principal = Depends(caller)
     ) -> dict[str, Any]:
@@ -240,40 +260,42 @@ class ChatRoutes:
             raise HTTPException(413, message) from RequestRejected(message, param, "request_too_large")
         return await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
 
-    @api.get("/v1/memories")
+    @memory_route("GET", "/v1/memories")
     async def list_memories(
-        self, user_id: str = Query(..., min_length=1, max_length=256),
-        principal: Principal = Depends(caller),
-    ) -> dict[str, Any]:
+        self, user_id: str = Query(..., min_length=1, max_length=256), principal: Principal = Depends(caller),
+    ) -> dict[str, list[MemoryItem]]:
+        return {"results": await self._memories_of(principal, user_id)}
+
+    async def _memories_of(self, principal: Principal, user_id: str) -> list[MemoryItem]:
         self.auth.require_user(principal, user_id)
         records = await self._answer((await self._replica_of_user(user_id)).get_all.remote(user_id))
-        return {"results": [r.model_dump() for r in records]}
+        return [MemoryItem.of(r) for r in records]
 
-    @api.post("/v1/memories/search")
+    @memory_route("POST", "/v1/memories/search")
     async def search_memories(
         self, request: SearchMemoryRequest, principal: Principal = Depends(caller)
-    ) -> dict[str, Any]:
+    ) -> dict[str, list[MemorySearchHit]]:
         self.auth.require_user(principal, request.user_id)
         replica = await self._replica_of_user(request.user_id)
         hits = await self._answer(replica.search.remote(request.user_id, request.query, request.limit))
-        return {"results": [{"id": h.fact_id, "memory": h.text, "score": h.score, "source_id": h.source_id} for h in hits]}
+        floor = request.threshold
+        return {"results": [MemorySearchHit.of(h, request.user_id) for h in hits if floor is None or h.score >= floor]}
 
-    @api.get("/v1/memories/{fact_id}")
-    async def get_memory(
-        self, fact_id: str, user_id: str | None = None, principal: Principal = Depends(caller)
-    ) -> dict[str, Any]:
+    @memory_route("GET", "/v1/memories/{fact_id}")
+    async def get_memory(self, fact_id: str, user_id: str | None = None, principal: Principal = Depends(caller)) -> MemoryItem:
         replica, owner = await self._replica_of_fact(principal, fact_id, user_id)
-        return (await self._answer(replica.get.remote(fact_id, owner))).model_dump()
+        return MemoryItem.of(await self._answer(replica.get.remote(fact_id, owner)))
 
-    @api.put("/v1/memories/{fact_id}")
+    @memory_route("PUT", "/v1/memories/{fact_id}")
     async def update_memory(
         self, fact_id: str, request: UpdateMemoryRequest, user_id: str | None = None,
         principal: Principal = Depends(caller),
-    ) -> dict[str, Any]:
+    ) -> MemoryItem:
         replica, owner = await self._replica_of_fact(principal, fact_id, user_id)
-        return (await self._answer(replica.update.remote(fact_id, owner, request.text, wait_for_kv=request.wait_for_kv))).model_dump()
+        call = replica.update.remote(fact_id, owner, request.text, metadata=request.metadata, wait_for_kv=request.wait_for_kv)
+        return MemoryItem.of(await self._answer(call))
 
-    @api.delete("/v1/memories/{fact_id}")
+    @memory_route("DELETE", "/v1/memories/{fact_id}")
     async def delete_memory(
         self, fact_id: str, user_id: str | None = None, principal: Principal = Depends(caller)
     ) -> dict[str, Any]:
@@ -281,23 +303,21 @@ class ChatRoutes:
         await self._answer(replica.delete.remote(fact_id, owner))
         return {"message": f"memory {fact_id} deleted"}
 
-    @api.delete("/v1/memories")
+    @memory_route("DELETE", "/v1/memories")
     async def delete_memories(
-        self, user_id: str = Query(..., min_length=1, max_length=256),
-        principal: Principal = Depends(caller),
+        self, user_id: str = Query(..., min_length=1, max_length=256), principal: Principal = Depends(caller),
     ) -> dict[str, Any]:
         self.auth.require_user(principal, user_id)
         deleted = await self._answer((await self._replica_of_user(user_id)).delete_all.remote(user_id))
         self.directory.forget_user(user_id)  # its placement is erased with its memory
         return {"message": f"{deleted} memories of {user_id} deleted", "deleted": deleted}
 
-    @api.get("/v1/memories/{fact_id}/history")
+    @memory_route("GET", "/v1/memories/{fact_id}/history")
     async def memory_history(
         self, fact_id: str, user_id: str | None = None, principal: Principal = Depends(caller)
-    ) -> dict[str, Any]:
+    ) -> list[MemoryHistoryItem]:
         replica, owner = await self._replica_of_fact(principal, fact_id, user_id)
-        events = await self._answer(replica.history.remote(fact_id, owner))
-        return {"results": [e.model_dump() for e in events]}
+        return [MemoryHistoryItem.of(e) for e in await self._answer(replica.history.remote(fact_id, owner))]
 
     @api.get("/v1/shards")
     async def shard_stats(self, principal: Principal = Depends(caller)) -> dict[str, Any]:
@@ -378,22 +398,3 @@ class ChatRoutes:
         failing += [f"replica {i} {part}: {state}" for i, r in enumerate(replicas) for part, state in r.items() if state != "ok"]
         report = {"status": "ok" if not failing else "; ".join(failing), **report}
         return JSONResponse(report, status_code=200 if not failing else 503)
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
-@serve.ingress(api)
-class ChatAPI(ChatRoutes):
-    """The router deployment: user -> shard (assigned once, kept in Redis, cached here) -> the
-    handle of that shard's LLMReplica deployment."""
-
-    def __init__(self, replicas: list[DeploymentHandle], settings: ServiceSettings) -> None:
-        self.replicas = replicas
-        self.num_shards = len(replicas)
-        self.ingress_name = "router"
-        self._init_routes(settings)
-
-    def _replica(self, shard: int) -> DeploymentHandle:
-        return self.replicas[shard]
-
-    def _home_replica(self) -> DeploymentHandle:
-        return self.replicas[0]

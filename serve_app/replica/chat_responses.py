@@ -51,30 +51,51 @@ def logprobs_of(request: ChatCompletionRequest, completion: Any, start: int, tok
     return choice_logprobs(completion, start, request.top_logprobs or 0, tokenizer) if request.logprobs else None
 
 
+class Choices:
+    """The latest cumulative output of each choice. With n > 1 vLLM yields each choice's output on
+    its own (a RequestOutput holds the one that advanced), so they are gathered by index."""
+
+    def __init__(self) -> None:
+        self.latest: dict[int, Any] = {}
+
+    def update(self, output: Any) -> None:
+        for completion in output.outputs:
+            self.latest[completion.index] = completion
+
+    def ordered(self) -> list[Any]:
+        return [self.latest[index] for index in sorted(self.latest)]
+
+    def generated_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.latest.values())
+
+
 def completion_response(
-    request: ChatCompletionRequest, model: str, final: Any, prompt_ids: list[int], plan: Any,
+    request: ChatCompletionRequest, model: str, choices: Choices, final: Any, prompt_ids: list[int], plan: Any,
     timings: dict[str, float], tokenizer: Any,
 ) -> ChatCompletionResponse:
-    """The non-streamed answer from the engine's final output."""
-    completion = final.outputs[0]
-    choice = ChatChoice(
-        message=ResponseMessage(content=completion.text),
-        logprobs=logprobs_of(request, completion, 0, tokenizer),
-        finish_reason=completion.finish_reason,
-    )
+    """The non-streamed answer: one choice per completion (n), from the engine's outputs."""
     return ChatCompletionResponse(
         model=model,
-        choices=[choice],
-        usage=usage_of(len(prompt_ids), len(completion.token_ids), final),
+        choices=[
+            ChatChoice(
+                index=completion.index,
+                message=ResponseMessage(content=completion.text),
+                logprobs=logprobs_of(request, completion, 0, tokenizer),
+                finish_reason=completion.finish_reason,
+            )
+            for completion in choices.ordered()
+        ],
+        usage=usage_of(len(prompt_ids), choices.generated_tokens(), final),
         memory=memory_usage(plan, final),
         timings=timings,
     )
 
 
 class ChunkStream:
-    """Turns the engine's cumulative outputs of one request into server-sent events. The finishing
-    chunk carries usage, the memory report and the timings, or, with stream_options.include_usage,
-    one more chunk with empty `choices` does (as OpenAI sends it); then `data: [DONE]`."""
+    """Turns the engine's cumulative outputs of one request into server-sent events, one chunk per
+    choice that advanced (with n > 1, each choice's chunks carry its index). The finishing chunk
+    carries usage, the memory report and the timings, or, with stream_options.include_usage, one
+    more chunk with empty `choices` does (as OpenAI sends it); then `data: [DONE]`."""
 
     def __init__(self, request: ChatCompletionRequest, model: str, tokenizer: Any) -> None:
         self.request = request
@@ -82,27 +103,34 @@ class ChunkStream:
         self.tokenizer = tokenizer
         self.chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        self.sent_text = self.sent_tokens = 0
-        self.first = True
+        self.sent_text: dict[int, int] = {}  # per choice: characters and tokens sent so far
+        self.sent_tokens: dict[int, int] = {}
+        self.choices = Choices()
         self.tail: ChatCompletionChunk | None = None
 
     def event(self, output: Any, prompt_ids: list[int], plan: Any, timings: dict[str, float]) -> str | None:
         """The event for the engine's latest output; None when it adds no text yet (a partial
-        character, a possible stop string) and is neither the first nor the last."""
-        completion = output.outputs[0]
-        delta = completion.text[self.sent_text :]
-        done = output.finished
-        if not delta and not done and not self.first:
+        character, a possible stop string) and is neither a choice's first nor its last."""
+        self.choices.update(output)
+        chunk_choices = []
+        for completion in output.outputs:
+            index, first = completion.index, completion.index not in self.sent_text
+            delta = completion.text[self.sent_text.get(index, 0) :]
+            if not delta and completion.finish_reason is None and not first:
+                continue
+            chunk_choices.append(ChunkChoice(
+                index=index,
+                delta=ChunkDelta(role="assistant" if first else None, content=delta or None),
+                logprobs=logprobs_of(self.request, completion, self.sent_tokens.get(index, 0), self.tokenizer),
+                finish_reason=completion.finish_reason,
+            ))
+            self.sent_text[index], self.sent_tokens[index] = len(completion.text), len(completion.token_ids)
+        if not chunk_choices and not output.finished:
             return None
-        choice = ChunkChoice(
-            delta=ChunkDelta(role="assistant" if self.first else None, content=delta or None),
-            logprobs=logprobs_of(self.request, completion, self.sent_tokens, self.tokenizer),
-            finish_reason=completion.finish_reason if done else None,
-        )
-        self.sent_text, self.sent_tokens, self.first = len(completion.text), len(completion.token_ids), False
-        chunk = ChatCompletionChunk(id=self.chunk_id, model=self.model, choices=[choice])
-        if done:
-            report = dict(usage=usage_of(len(prompt_ids), len(completion.token_ids), output), memory=memory_usage(plan, output), timings=timings)
+        chunk = ChatCompletionChunk(id=self.chunk_id, model=self.model, choices=chunk_choices)
+        if output.finished:
+            usage = usage_of(len(prompt_ids), self.choices.generated_tokens(), output)
+            report = dict(usage=usage, memory=memory_usage(plan, output), timings=timings)
             if self.include_usage:
                 self.tail = ChatCompletionChunk(id=self.chunk_id, model=self.model, choices=[], **report)
             else:

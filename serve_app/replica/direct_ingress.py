@@ -3,7 +3,7 @@
 Serve's proxy hands an HTTP request straight to an LLM replica, chosen by UserShardRouter
 (serve_app.ingress.shard_router) from the `x-session-id` header (the user id): one Serve hop instead of
 two (proxy -> ChatAPI -> LLMReplica). The replica runs the same routes as ChatAPI
-(serve_app.ingress.routes.ChatRoutes): keys, ownership checks and the user -> shard map from Redis.
+(serve_app.ingress.routes, serve_app.ingress.mem0_routes): keys, ownership checks and the user -> shard map from Redis.
 A request for its own shard runs in process; one for another shard (no header, or a user placed
 before the shard count changed) is forwarded through a handle to this deployment with the hint
 `shard:<n>`, which the router sends only to that shard's replica.
@@ -21,7 +21,9 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from serve_app.ingress.routes import ChatRoutes, api
+from serve_app.ingress.completion_routes import CompletionRoutes
+from serve_app.ingress.mem0_routes import Mem0Routes
+from serve_app.ingress.routes import api
 from serve_app.replica.server import MemoryLLM
 from serve_app.settings import ServiceSettings
 from serve_app.ingress.shard_router import UserShardRouter, replica_metadata, shard_hint
@@ -70,7 +72,7 @@ class LocalCalls:
         return _LocalMethod(getattr(self._target, name), self._stream)
 
 
-class ReplicaIngress(ChatRoutes, MemoryLLM):
+class ReplicaIngress(Mem0Routes, CompletionRoutes, MemoryLLM):
     """An LLM replica that is its own HTTP ingress (see the module docstring)."""
 
     def __init__(self, settings: ServiceSettings) -> None:

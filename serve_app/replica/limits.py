@@ -19,7 +19,8 @@ import logging
 
 from memory.records import NewFact
 from memory.prompting import PromptLayout
-from serve_app.protocol import AddMemoryRequest, RequestRejected
+from serve_app.memory_protocol import AddMemoryRequest
+from serve_app.protocol import RequestRejected
 from serve_app.settings import ServiceSettings
 
 logger = logging.getLogger(__name__)

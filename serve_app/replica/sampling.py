@@ -1,10 +1,11 @@
-"""A chat request's sampling parameters through vLLM's own OpenAI protocol model, and its logprobs
+"""A chat's (or text completion's) sampling parameters through vLLM's own OpenAI protocol models, and logprobs
 in OpenAI's shape. Runs in the LLM replica (imports vLLM).
 
 vLLM's ChatCompletionRequest already validates OpenAI's sampling fields and turns them into
 SamplingParams (Ray Serve LLM reuses it too), so the replica hands it the fields this service
 implements (serve_app.protocol bounds them first) instead of re-implementing their semantics:
-stop, seed, temperature, top_p, penalties, logprobs / top_logprobs. The use is kept small because
+stop, seed, temperature, top_p, penalties, logprobs / top_logprobs, n, and response_format (a JSON
+object or schema, as vLLM's structured outputs). The use is kept small because
 the GPU machines run another vLLM (0.25.1) than the CPU ones (0.32): the class is looked up in
 either module layout, and `to_sampling_params` is called with the arguments its signature names.
 """
@@ -17,12 +18,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from serve_app.completion_protocol import CompletionRequest
 from serve_app.protocol import ChatCompletionRequest, ChoiceLogprobs, RequestRejected, TokenLogprob, TopLogprob
 
 # The fields vLLM turns into sampling parameters; max_tokens is decided by the replica.
 _SAMPLING_FIELDS = {
     "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-    "logprobs", "top_logprobs", "stream", "stream_options",
+    "logprobs", "top_logprobs", "stream", "stream_options", "n", "response_format",
 }
 SERVICE_TEMPERATURE = 0.0  # the service's default is greedy (OpenAI's is 1)
 
@@ -33,6 +35,15 @@ def vllm_chat_request_class() -> type:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmRequest
     except ImportError:  # vLLM 0.2x: one protocol module for the whole OpenAI server
         from vllm.entrypoints.openai.protocol import ChatCompletionRequest as VllmRequest  # type: ignore[no-redef]
+    return VllmRequest
+
+
+@lru_cache(maxsize=1)
+def vllm_completion_request_class() -> type:
+    try:  # vLLM 0.3x
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmRequest
+    except ImportError:  # vLLM 0.2x
+        from vllm.entrypoints.openai.protocol import CompletionRequest as VllmRequest  # type: ignore[no-redef]
     return VllmRequest
 
 
@@ -47,12 +58,22 @@ def sampling_params(request: ChatCompletionRequest, max_tokens: int, extra_args:
     """vLLM SamplingParams for `request` with `max_tokens`, cumulative outputs (the replica slices
     the streamed text itself) and `extra_args` (the plan's kv_transfer_params). RequestRejected
     when vLLM refuses the combination."""
+    body = request.model_dump(include=_SAMPLING_FIELDS, exclude_none=True, by_alias=True)  # response_format's `schema`
+    body["messages"] = request.prompt_messages()
+    return _through_vllm(vllm_chat_request_class(), body, max_tokens, extra_args)
+
+
+def completion_sampling_params(request: CompletionRequest, max_tokens: int) -> Any:
+    """vLLM SamplingParams for a text completion (serve_app.completion_protocol), as for a chat."""
+    body = request.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)
+    body["prompt"] = request.text
+    return _through_vllm(vllm_completion_request_class(), body, max_tokens, None)
+
+
+def _through_vllm(vllm_request: type, body: dict[str, Any], max_tokens: int, extra_args: dict[str, Any] | None) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
-    body = request.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)
     body.setdefault("temperature", SERVICE_TEMPERATURE)
-    body["messages"] = request.prompt_messages()
-    vllm_request = vllm_chat_request_class()
     try:
         parsed = vllm_request.model_validate(body)
         arguments = inspect.signature(parsed.to_sampling_params).parameters

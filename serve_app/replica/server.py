@@ -2,15 +2,13 @@
 
 One replica per GPU (per engine on CPU). Behind the ChatAPI router each is its own deployment
 (`LLMReplica_<i>`) so the router can send a user to the one replica holding that user's memory;
-with `routing: direct` each is also the HTTP ingress (serve_app.replica.direct_ingress). At start the replica
-starts (or finds) its MemoryShard actor, opens the engine with the KV-memory connector over
-the shard's arena, and runs an EncodeDriver in the background (it picks up facts queued by a
-shard rebuild). A chat request with a `user` asks the shard for a plan (top-k facts, token
-ids, kv_transfer_params) and runs it; the replica checks the context length first, so a
-too-long prompt gets a clear 400 and the engine never sees it. Prometheus metrics go through
+with `routing: direct` each is also the HTTP ingress (serve_app.replica.direct_ingress). At start
+the replica starts (or finds) its MemoryShard actor, opens the engine with the KV-memory connector
+over the shard's arena, and runs an EncodeDriver in the background (it picks up facts queued by a
+shard rebuild). A chat with a `user` asks the shard for a plan (top-k facts, token ids,
+kv_transfer_params) and runs it; a too-long prompt gets a 400 before the engine sees it. Metrics:
 ray.serve.metrics. A dead engine core is restarted in place (serve_app.replica.lifecycle);
-check_health fails only when that does not work, and health() reports engine and shard.
-"""
+check_health fails only when that does not work; health() reports engine and shard (text completions: .text_completions)."""
 
 from __future__ import annotations
 
@@ -31,9 +29,10 @@ from memory.composition import key_salt, user_salt
 from memory.prompting import PromptLayout
 from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact
 from memory.records import MemoryHit
-from serve_app.protocol import AddMemoryRequest, ChatCompletionRequest, ChatCompletionResponse, NotFound, RequestRejected
+from serve_app.memory_protocol import AddMemoryRequest
+from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, NotFound, RequestRejected
 from serve_app.ingress.errors import RefusalsAreNotFailures
-from serve_app.replica.chat_responses import ChunkStream, completion_response
+from serve_app.replica.chat_responses import Choices, ChunkStream, completion_response
 from serve_app.replica.encode_driver import EncodeDriver
 from serve_app.replica.engine import resolve_dtype
 from serve_app.replica.extraction import extract_facts
@@ -42,6 +41,7 @@ from serve_app.replica.limits import TokenLimits
 from serve_app.replica.reconciliation import reconcile_and_add
 from serve_app.replica.sampling import sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
+from serve_app.replica.text_completions import TextCompletions
 from serve_app.replica.shard_watchdog import ShardWatchdog
 from serve_app.settings import ServiceSettings
 from serve_app.stage_timings import StageClock, count_positive as _count, stage_histogram
@@ -67,7 +67,7 @@ def _not_found() -> Iterator[None]:
         raise NotFound(str(exc.args[0] if exc.args else exc)) from None
 
 
-class MemoryLLM:
+class MemoryLLM(TextCompletions):
     """One vLLM engine with its memory shard: the replica's work, whichever deployment runs it
     (LLMReplica below, behind the ChatAPI router; or serve_app.replica.direct_ingress.ReplicaIngress)."""
 
@@ -197,7 +197,7 @@ class MemoryLLM:
         start = time.perf_counter()
         first_token_at: float | None = None
         timings: dict[str, float] | None = None  # final once the first token is in
-        final = None
+        final, generated = None, Choices()
         with self.chats_running.one():
             async for output in self.engine.generate(prompt, params, request_id=f"chat-{uuid.uuid4().hex}", priority=CHAT_PRIORITY):
                 if first_token_at is None and output.outputs and output.outputs[0].token_ids:
@@ -207,18 +207,20 @@ class MemoryLLM:
                     clock.observe(self.stage_seconds)
                     timings = clock.rounded()
                 final = output
+                generated.update(output)
                 yield output, prompt_ids, plan, timings if timings is not None else clock.rounded()
         assert final is not None, "engine returned no output"
         self.requests.inc(tags={"outcome": "ok"})
-        _count(self.generated_tokens, len(final.outputs[0].token_ids))
+        _count(self.generated_tokens, generated.generated_tokens())
         if plan is not None:
             _count(self.injected_tokens, plan.injected_tokens)
 
     async def chat(self, request: ChatCompletionRequest, cache_scope: str | None = None) -> ChatCompletionResponse:
         final = prompt_ids = plan = timings = None
+        choices = Choices()
         async for final, prompt_ids, plan, timings in self._run(request, cache_scope):
-            pass
-        return completion_response(request, self.settings.served_model_name, final, prompt_ids, plan, timings, self.tokenizer)
+            choices.update(final)
+        return completion_response(request, self.settings.served_model_name, choices, final, prompt_ids, plan, timings, self.tokenizer)
 
     async def chat_stream(self, request: ChatCompletionRequest, cache_scope: str | None = None) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chat.completion.chunk format (serve_app.replica.chat_responses.ChunkStream)."""
@@ -260,9 +262,10 @@ class MemoryLLM:
             )
         elif request.messages:
             facts += [NewFact(text=t.text, source_id=t.turn_id) for t in turns if t.speaker == "user"]
-        facts = self.limits.fitting(facts)  # an extracted fact too long for an arena entry is dropped, not stored
+        # an extracted fact too long for an arena entry is dropped, not stored; the add's metadata goes with each fact
+        facts = [f.model_copy(update={"metadata": request.metadata}) for f in self.limits.fitting(facts)]
         source = request.source_id or (turns[-1].turn_id if turns else None)
-        given = [NewFact(text=text, source_id=source) for text in request.facts or []]
+        given = [NewFact(text=text, source_id=source, metadata=request.metadata) for text in request.facts or []]
         if turns and (facts or given):  # quotas (429) before the first write; one kind alone is checked whole by its write
             await self.shard.check_room(user, facts + given, turns)
         if turns:
@@ -297,13 +300,17 @@ class MemoryLLM:
         with _not_found():
             return await self.shard.get(fact_id, user_id)
 
-    async def update(self, fact_id: str, user_id: str, text: str, *, wait_for_kv: bool = False) -> FactRecord:
-        """New text, durable before this returns; the old KV is never injected again and the new
-        one follows (awaited when `wait_for_kv`)."""
+    async def update(
+        self, fact_id: str, user_id: str, text: str | None, *, metadata: dict[str, Any] | None = None, wait_for_kv: bool = False
+    ) -> FactRecord:
+        """New text and/or metadata (None keeps each), durable before this returns; the old KV is
+        never injected again and the new one follows (awaited when `wait_for_kv`)."""
         self._ensure_driver()
-        await asyncio.to_thread(self.limits.check_fact, text, "text")
         with _not_found():
-            record = await self.shard.update(fact_id, user_id, text)
+            if text is None:  # a metadata-only update keeps the text
+                text = (await self.shard.get(fact_id, user_id)).text
+            await asyncio.to_thread(self.limits.check_fact, text, "text")
+            record = await self.shard.update(fact_id, user_id, text, metadata)
         await self._acknowledge([fact_id], wait_for_kv)
         return record
 
