@@ -12,11 +12,12 @@ KVMEM_LOADTEST_QUESTIONS=varied draws from 400 different questions instead of th
 (with 8, a user soon repeats a question, and prompt injection is then served from vLLM's prefix
 cache: it measures the cache, not the memory). Chat responses are streamed (server-sent events): besides
 the POST row (time to the response headers), Locust reports the time to the first content
-chunk ("TTFT chat") and to the end of the stream ("COMPLETE chat") as rows of their own, and the
-replica's own stage timings from the stream's last chunk as "SERVER <stage>" rows (e.g. SERVER
-replica_ttft, engine_ttft, prepare), with "SERVER outside_replica" = TTFT chat - replica_ttft: the
-time a chat spent in the proxy, in Serve's queues and on the wire, so a slow TTFT under load is
-placed without another tool. A request counts as failed unless it answers 200 with a well-formed
+chunk ("TTFT chat") and to the end of the stream ("COMPLETE chat"), and the replica's own stage
+timings from the stream's last chunk as "SERVER <stage>" (e.g. SERVER replica_ttft, engine_ttft,
+prepare), with "SERVER outside_replica" = TTFT chat - replica_ttft: the time a chat spent in the
+proxy, in Serve's queues and on the wire, so a slow TTFT under load is placed without another
+tool. They are statistics of their own (loadtest/stage_stats.py: printed at the end and written to
+PREFIX_stages.csv), so Locust's rows and its Aggregated row count requests only. A request counts as failed unless it answers 200 with a well-formed
 stream ending in [DONE] and a non-empty assistant message.
 
     mkdir -p bench/results
@@ -37,8 +38,10 @@ from typing import Any, Iterable
 from locust import HttpUser, between, constant, task
 
 try:
+    from loadtest.stage_stats import record as record_stage
     from loadtest.users import memory_facts, user_pool, varied_questions
 except ImportError:  # locust puts the locustfile's folder, not the project root, on sys.path
+    from stage_stats import record as record_stage  # type: ignore[no-redef]
     from users import memory_facts, user_pool, varied_questions  # type: ignore[no-redef]
 
 QUESTIONS: tuple[str, ...] = (
@@ -162,10 +165,8 @@ class ChatUser(HttpUser):
         rows += [("SERVER", stage, ms) for stage, ms in timings.items()]
         if first_content_at is not None and "replica_ttft" in timings:
             rows.append(("SERVER", "outside_replica", (first_content_at - started) * 1000 - timings["replica_ttft"]))
-        for kind, name, ms in rows:
-            self.environment.events.request.fire(
-                request_type=kind, name=name, response_time=ms, response_length=0, exception=None, context={}
-            )
+        for kind, name, ms in rows:  # apart from Locust's request rows (loadtest/stage_stats.py)
+            record_stage(kind, name, ms)
 
     @task(1)
     def health(self) -> None:

@@ -106,6 +106,11 @@ class EngineSettings(BaseModel):
         "the step, so on a CPU a small chunk (config.yaml: 512) keeps chats answering while fact encodes run; None "
         "keeps vLLM's default (2048 on CPU, larger on GPUs).",
     )
+    export_metrics: bool = Field(
+        True,
+        description="Export vLLM's own engine metrics (running and waiting requests, KV-cache use, token counts, "
+        "latencies) through Ray's metrics endpoint beside the service's, as Ray Serve LLM does (vllm_* names).",
+    )
     log_stats_interval_s: float = Field(
         10.0,
         ge=0,

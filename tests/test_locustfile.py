@@ -186,11 +186,17 @@ def test_headless_run_sends_what_the_environment_asks(tmp_path: Path) -> None:
         assert headers["authorization"] == "Bearer kvm-locust-test"
         assert headers["x-session-id"] == body["user"]
         assert body["memory"] == {"mode": "prompt", "top_k": 7} and body["max_tokens"] == 5
-    # the replica's stage timings from the finishing chunk are rows of their own, and so is the rest of TTFT
+    # the replica's stage timings from the finishing chunk are statistics of their own, and so is the rest of TTFT
+    stages = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(tmp_path / "run_stages.csv"))}
+    assert float(stages[("SERVER", "replica_ttft")]["Median Response Time"]) == 3.25
+    assert float(stages[("SERVER", "prepare")]["Median Response Time"]) == 0.5
+    assert int(stages[("SERVER", "outside_replica")]["Request Count"]) == int(stages[("TTFT", "chat")]["Request Count"]) >= 20
+    assert "SERVER replica_ttft" in run.stdout  # printed at the end too
+    # ... so Locust's own rows, and its Aggregated row, count requests only: one row per route
     rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(tmp_path / "run_stats.csv"))}
-    assert float(rows[("SERVER", "replica_ttft")]["Median Response Time"]) == 3.25
-    assert float(rows[("SERVER", "prepare")]["Median Response Time"]) == 0.5
-    assert int(rows[("SERVER", "outside_replica")]["Request Count"]) == int(rows[("TTFT", "chat")]["Request Count"]) >= 20
+    assert set(rows) <= {("POST", "chat"), ("GET", "health"), ("", "Aggregated")}, set(rows)
+    count = {key: int(row["Request Count"]) for key, row in rows.items()}
+    assert count[("", "Aggregated")] == count[("POST", "chat")] + count.get(("GET", "health"), 0)
 
 
 def test_the_varied_question_set_asks_400_different_questions() -> None:

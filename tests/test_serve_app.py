@@ -3,8 +3,11 @@ as Ray actors, two shards (two engines) behind the router."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -141,13 +144,14 @@ def test_add_from_messages_extracts_facts_with_the_served_model(served_app: str)
 
 
 def test_prometheus_metrics_are_exported(served_app: str) -> None:
-    """After chats with memory, the service's own metrics reach Ray's Prometheus endpoint."""
+    """After chats with memory, the service's own metrics and vLLM's reach Ray's Prometheus endpoint."""
     _post(f"{served_app}/v1/memories", {"user_id": "hana", "facts": ["Hana collects stamps."], "wait_for_kv": True})
     chat = {"user": "hana", "messages": [{"role": "user", "content": "What do I collect?"}], "max_tokens": 4}
     _post(f"{served_app}/v1/chat/completions", chat)
     requests.get(f"{served_app}/v1/shards", timeout=60)
     wanted = {"kvmem_ttft_seconds", "kvmem_requests_total", "kvmem_injected_tokens_total", "kvmem_facts_encoded_total", "kvmem_arena_bytes", "kvmem_stage_seconds",
-              "kvmem_facts_with_kv", "kvmem_kv_evictions"}
+              "kvmem_facts_with_kv", "kvmem_kv_evictions",
+              "vllm_num_requests_running", "vllm_generation_tokens"}  # vLLM's own, through Ray (engine.export_metrics)
     deadline, seen = time.time() + 60, set()
     while time.time() < deadline and seen != wanted:
         text = requests.get(os.environ["KVMEM_TEST_METRICS_URL"], timeout=10).text
@@ -156,6 +160,12 @@ def test_prometheus_metrics_are_exported(served_app: str) -> None:
     assert seen == wanted, f"missing metrics: {wanted - seen}"
     lines = [line for line in text.splitlines() if "kvmem_arena_bytes" in line and 'tier="host"' in line and not line.startswith("#")]
     assert lines and max(float(line.rsplit(" ", 1)[1]) for line in lines) > 0
+    # the Grafana dashboard plots series the service exports, by their exported names
+    dashboard = json.loads((Path(__file__).parents[1] / "k8s" / "grafana-dashboard.json").read_text())
+    queried = {m for panel in dashboard["panels"] for t in panel["targets"] for m in re.findall(r"\bray_(?:kvmem|vllm)_\w+", t["expr"])}
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    only_after_an_event = {"ray_kvmem_shard_restarts_total"}
+    assert len(queried) >= 15 and sorted(queried - exported - only_after_an_event) == [], sorted(exported)
 
 
 def test_streamed_chat_equals_the_whole_answer(served_app: str) -> None:

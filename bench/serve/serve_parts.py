@@ -199,8 +199,9 @@ def run_locust(ctx: Context, mode: str, users: int, seconds: int, prefix: Path, 
     command, env = locust_command(ctx, mode, users, seconds, prefix, questions)
     subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=seconds + 60)
     rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(f"{prefix}_stats.csv"))}
-    server = {name: row for (kind, name), row in rows.items() if kind == "SERVER"}
-    return {"chat": rows.get(("POST", "chat"), {}), "first": rows.get(("TTFT", "chat"), {}), "server": server}
+    stages = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(f"{prefix}_stages.csv"))}  # loadtest/stage_stats.py
+    server = {name: row for (kind, name), row in stages.items() if kind == "SERVER"}
+    return {"chat": rows.get(("POST", "chat"), {}), "first": stages.get(("TTFT", "chat"), {}), "server": server}
 
 
 def seed_locust_pool(ctx: Context) -> None:

@@ -15,11 +15,14 @@ import ast
 import dataclasses
 import difflib
 import importlib.util
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from serve_app.settings import EngineSettings
+
+logger = logging.getLogger(__name__)
 
 
 def is_cpu_platform() -> bool:
@@ -147,6 +150,22 @@ def check_engine_kwargs(settings: EngineSettings, known: frozenset[str] | None =
         raise UnknownEngineArgument("; ".join(problems))
 
 
+def engine_stat_loggers(settings: EngineSettings) -> list[Any] | None:
+    """vLLM's own Prometheus metrics (vllm:num_requests_running, vllm:kv_cache_usage_perc, ...)
+    through Ray's metrics, as Ray Serve LLM exports them: Ray's endpoint then serves them beside the
+    service's kvmem_* metrics (as vllm_*). None when settings.export_metrics is off."""
+    import ray
+
+    if not settings.export_metrics or not ray.is_initialized():  # outside Ray (a test's bare engine): vLLM's defaults
+        return None
+    try:
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+    except ImportError:  # a vLLM without the Ray wrappers: its metrics stay in the engine's logs
+        logger.warning("this vLLM has no vllm.v1.metrics.ray_wrappers: the engine's metrics are not exported")
+        return None
+    return [RayPrometheusStatLogger]
+
+
 def build_async_engine(settings: EngineSettings, model: str, **overrides: Any):
     """An AsyncLLM (engine core in a subprocess unless settings.multiprocess is False)."""
     check_engine_kwargs(settings, loaded_engine_arg_names())
@@ -154,7 +173,8 @@ def build_async_engine(settings: EngineSettings, model: str, **overrides: Any):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(settings, model, **overrides)))
+    args = AsyncEngineArgs(**engine_kwargs(settings, model, **overrides))
+    return AsyncLLM.from_engine_args(args, stat_loggers=engine_stat_loggers(settings))
 
 
 def build_offline_engine(settings: EngineSettings, model: str, **overrides: Any):
