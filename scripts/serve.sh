@@ -3,8 +3,8 @@
 # `serve run config.yaml` in the foreground. Ctrl-C stops the service and the local Redis.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-export HF_HUB_OFFLINE=1 RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+[ -n "${SKIP_SETUP:-}" ] || bash scripts/setup.sh  # scripts/serve_gpu.sh sets up its own environment
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 CONFIG=${CONFIG:-config.yaml}
 VENV=${VENV:-.venv}
 if [ -z "${REDIS_URL:-}" ]; then

@@ -16,13 +16,14 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from memory.settings import MemorySettings
 from serve_app.memory_protocol import MAX_FACT_CHARS, MAX_FACTS_PER_ADD, MAX_TURN_CHARS, MAX_TURNS_PER_ADD
 
 DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"  # the embedded default's folder in the model cache
+DEFAULT_SERVED_NAME = "smollm2-135m-instruct"  # what the API calls the embedded default
 REDIS_PASSWORD_NAMES = ("redis_password", "REDIS_PASSWORD", "KVMEM_REDIS_PASSWORD")  # the setting and its variables
 
 
@@ -212,7 +213,20 @@ class ServiceSettings(BaseSettings):
         "shards, keys_cli); from the environment (REDIS_PASSWORD, in Kubernetes from a Secret), never from the YAML. "
         "A password inside redis_url wins over it.",
     )
-    served_model_name: str = Field("smollm2-135m-instruct", description="Model name reported by the API.")
+    served_model_name: str = Field(
+        "",
+        description="Model name the API reports and accepts (`model`); empty: engine.model as given (a hub id), a "
+        "folder's name (a path starting with /, . or ~), or smollm2-135m-instruct for the embedded default.",
+    )
+
+    @model_validator(mode="after")
+    def _name_the_served_model(self) -> "ServiceSettings":
+        if not self.served_model_name:
+            model = self.engine.model
+            is_path = bool(model) and model.startswith(("/", ".", "~"))  # by its spelling: the same on every node
+            name = Path(model).name if model and is_path else model
+            self.served_model_name = DEFAULT_SERVED_NAME if not name or name == DEFAULT_MODEL_DIRNAME else name
+        return self
     default_max_tokens: int = Field(
         256, gt=0, description="max_tokens when a request gives none (lowered to what the context has room for)."
     )

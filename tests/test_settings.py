@@ -133,3 +133,20 @@ def test_batch_invariant_sets_vllms_switch_only_when_asked(monkeypatch: pytest.M
     assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
     # (not read back through vllm.envs here: vLLM caches what it read, and every later in-process
     # engine of this pytest process would then run batch-invariant kernels, which CPUs lack)
+
+
+@pytest.mark.parametrize(
+    ("model", "given", "served"),
+    [
+        (None, "", "smollm2-135m-instruct"),  # the embedded default
+        ("/root/.cache/kvmem/models/SmolLM2-135M-Instruct", "", "smollm2-135m-instruct"),  # its converted folder
+        ("meta-llama/Llama-3.1-8B-Instruct", "", "meta-llama/Llama-3.1-8B-Instruct"),  # a hub id, as vLLM names it
+        ("/models/Qwen3-8B/", "", "Qwen3-8B"),  # a folder: its name, decided by spelling (the same on every node)
+        ("./weights/Mistral-7B", "", "Mistral-7B"),
+        ("meta-llama/Llama-3.1-8B-Instruct", "llama", "llama"),  # an explicit name wins
+    ],
+)
+def test_the_served_model_name_follows_the_model(model: str | None, given: str, served: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVMEM_SERVED_MODEL_NAME", raising=False)
+    settings = ServiceSettings(engine={"model": model}, served_model_name=given)
+    assert settings.served_model_name == served

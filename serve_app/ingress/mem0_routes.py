@@ -39,9 +39,9 @@ class Mem0Routes(ChatRoutes):
 
     @api.get("/v1/ping/")
     async def mem0_ping(self, principal: Principal = Depends(caller)) -> dict[str, Any]:
-        """The key is valid (the RequestGate checked it). No organisations or projects here: each key
-        names its users (auth.mode keys)."""
-        return {"status": "ok", "org_id": None, "project_id": None, "user_email": None}
+        """The key is valid (the RequestGate checked it). The client needs an organisation and a
+        project: here the service's namespace and the key's id (a key names its users itself)."""
+        return {"status": "ok", "org_id": self.settings.namespace, "project_id": principal.key_id, "user_email": None}
 
     @api.post("/v3/memories/add/")
     async def mem0_add(self, request: Mem0AddRequest, principal: Principal = Depends(caller)) -> dict[str, Any]:

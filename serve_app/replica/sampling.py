@@ -13,8 +13,9 @@ either module layout, and `to_sampling_params` is called with the arguments its 
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterator
 
 from pydantic import ValidationError
 
@@ -27,6 +28,26 @@ _SAMPLING_FIELDS = {
     "logprobs", "top_logprobs", "stream", "stream_options", "n", "response_format",
 }
 SERVICE_TEMPERATURE = 0.0  # the service's default is greedy (OpenAI's is 1)
+OPENAI_TEMPERATURE = 1.0  # the default when n > 1 asks for several samples: vLLM refuses n > 1 with greedy sampling
+
+
+def vllm_client_errors() -> tuple[type[BaseException], ...]:
+    """vLLM's exceptions for a request it refuses (a 4xx): ValueError, and VLLMClientError where
+    this vLLM has it (it does not derive from ValueError)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # an older vLLM: its validation errors are ValueErrors
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
+
+
+@contextmanager
+def refusals_as_rejections() -> Iterator[None]:
+    """vLLM's refusal of a request (bad sampling or structured-output arguments) as RequestRejected (400)."""
+    try:
+        yield
+    except vllm_client_errors() as exc:
+        raise RequestRejected(str(exc), param=getattr(exc, "parameter", None)) from None
 
 
 @lru_cache(maxsize=1)
@@ -73,19 +94,18 @@ def completion_sampling_params(request: CompletionRequest, max_tokens: int) -> A
 def _through_vllm(vllm_request: type, body: dict[str, Any], max_tokens: int, extra_args: dict[str, Any] | None) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
-    body.setdefault("temperature", SERVICE_TEMPERATURE)
+    body.setdefault("temperature", OPENAI_TEMPERATURE if body.get("n", 1) > 1 else SERVICE_TEMPERATURE)
     try:
         parsed = vllm_request.model_validate(body)
-        arguments = inspect.signature(parsed.to_sampling_params).parameters
-        kwargs: dict[str, Any] = {"default_sampling_params": {}}
-        if "logits_processor_pattern" in arguments:  # vLLM <= 0.2x
-            kwargs["logits_processor_pattern"] = None
-        params = parsed.to_sampling_params(max_tokens, **kwargs)
     except ValidationError as exc:
         message, param = _validation_message(exc)
         raise RequestRejected(message, param=param) from None
-    except ValueError as exc:  # SamplingParams' own checks (vLLM's validation errors are ValueErrors)
-        raise RequestRejected(str(exc), param=getattr(exc, "parameter", None)) from None
+    arguments = inspect.signature(parsed.to_sampling_params).parameters
+    kwargs: dict[str, Any] = {"default_sampling_params": {}}
+    if "logits_processor_pattern" in arguments:  # vLLM <= 0.2x
+        kwargs["logits_processor_pattern"] = None
+    with refusals_as_rejections():  # SamplingParams' own checks
+        params = parsed.to_sampling_params(max_tokens, **kwargs)
     params.output_kind = RequestOutputKind.CUMULATIVE
     if extra_args:
         params.extra_args = {**(params.extra_args or {}), **extra_args}

@@ -39,7 +39,7 @@ from serve_app.replica.extraction import extract_facts
 from serve_app.replica.lifecycle import start_backends
 from serve_app.replica.limits import TokenLimits
 from serve_app.replica.reconciliation import reconcile_and_add
-from serve_app.replica.sampling import sampling_params
+from serve_app.replica.sampling import refusals_as_rejections, sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
 from serve_app.replica.text_completions import TextCompletions
 from serve_app.replica.shard_watchdog import ShardWatchdog
@@ -198,7 +198,7 @@ class MemoryLLM(TextCompletions):
         first_token_at: float | None = None
         timings: dict[str, float] | None = None  # final once the first token is in
         final, generated = None, Choices()
-        with self.chats_running.one():
+        with self.chats_running.one(), refusals_as_rejections():  # e.g. a JSON schema the engine cannot compile: 400
             async for output in self.engine.generate(prompt, params, request_id=f"chat-{uuid.uuid4().hex}", priority=CHAT_PRIORITY):
                 if first_token_at is None and output.outputs and output.outputs[0].token_ids:
                     first_token_at = clock.record("engine_ttft", start)
