@@ -19,7 +19,7 @@ from actors.shard_actor import ShardActor
 from actors.shard_client import ShardTimeout
 from memory.records import StoreUnavailable
 from memory.shard import MemoryShard
-from serve_app.ingress import routes
+from serve_app.ingress import errors, routes
 
 
 def test_a_redis_error_inside_the_shard_actor_leaves_it_as_store_unavailable() -> None:
@@ -42,7 +42,7 @@ def test_a_redis_error_inside_the_shard_actor_leaves_it_as_store_unavailable() -
     "error", [StoreUnavailable("memory store (Redis) unavailable: Timeout"), ShardTimeout("memory shard did not answer within 60 s")]
 )
 def test_the_ingress_answers_503_with_retry_after(error: Exception) -> None:
-    answer = routes.http_error(error)
+    answer = errors.http_error(error)
     assert answer is not None and answer.status_code == 503 and answer.headers == {"Retry-After": "5"}
 
 

@@ -9,7 +9,8 @@ as OpenAI's API and its clients expect (`openai.BadRequestError.param`, `.code`,
   type; a field this service does not implement is refused by name (`code: unsupported_parameter`);
 - HTTPException (the ingress's own refusals, unknown routes, 405): its status; a replica's
   RequestRejected / NotFound behind it lends its `param` and `code` (`model_not_found`);
-- anything else: 500, or 503 when a replica or the memory shard is unavailable or overloaded;
+- anything else: 500, or 503 when a replica or the memory shard is unavailable or overloaded
+  (`http_error` maps a replica's exceptions: refusals, a dead engine, quotas, Redis away or full);
 - before any route: 401 without a valid key and 413 for a body over `max_body_bytes`, answered by
   serve_app.ingress.gate with these same bodies; 413 `request_too_large` for an add past `add_limits`;
 - 429 `quota_exceeded` (`param` the quota's setting, the message the user's use and limit) for a
@@ -29,14 +30,14 @@ import logging
 from http import HTTPStatus
 from typing import Any, Callable, Sequence
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memory.fairness import EncodeBacklogFull
-from memory.records import QuotaExceeded
+from memory.records import QuotaExceeded, StoreFull, StoreUnavailable
 from serve_app.protocol import ChatCompletionChunk, ChatCompletionResponse, ErrorResponse, NotFound, RequestRejected
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,39 @@ def document_responses(schema: dict[str, Any]) -> dict[str, Any]:
     for unused in ("HTTPValidationError", "ValidationError"):
         components.pop(unused, None)
     return schema
+
+
+# ---------------------------------------------------------------------- a replica's exceptions as HTTP errors
+def http_error(exc: BaseException) -> HTTPException | None:
+    """The HTTP error for a replica's exception (Ray wraps it; report the original message)."""
+    cause = getattr(exc, "cause", None) or exc
+    message = cause.message if isinstance(cause, QuotaExceeded) else str(cause.args[0] if cause.args else cause)
+    if isinstance(cause, RequestRejected):
+        return HTTPException(status_code=400, detail=message)
+    if isinstance(cause, NotFound):
+        return HTTPException(status_code=404, detail=message)
+    if type(cause).__name__ in _ENGINE_DOWN:  # by name: the ingress does not import vLLM
+        return HTTPException(503, f"the engine is restarting, try again shortly ({message})", {"Retry-After": "5"})
+    if isinstance(cause, QuotaExceeded):  # nothing stored; deletes free quota
+        return HTTPException(status_code=429, detail=message)
+    if isinstance(cause, StoreFull):  # Redis at maxmemory (noeviction) refused the write: nothing changed
+        return HTTPException(507, message, {"Retry-After": "60"})
+    if isinstance(cause, EncodeBacklogFull):  # the user's facts waiting for KV are at the bound: nothing stored
+        return HTTPException(429, message, {"Retry-After": str(cause.retry_after_s)})
+    if isinstance(cause, StoreUnavailable):  # Redis away: nothing was acknowledged, try again
+        return HTTPException(503, message, {"Retry-After": "5"})
+    if isinstance(cause, TimeoutError):  # the memory shard did not answer in time (busy, or restarting)
+        return HTTPException(503, f"the memory shard is busy or restarting, try again shortly ({message})", {"Retry-After": "5"})
+    return None
+
+
+# vLLM's errors for a dead engine (vllm.v1.engine.exceptions); the replica restarts it in place
+_ENGINE_DOWN = {"EngineDeadError", "EngineGenerateError"}
+
+
+def store_unavailable(exc: StoreUnavailable) -> HTTPException:
+    """503 with Retry-After; 507 when Redis is full (StoreFull)."""
+    return http_error(exc) or HTTPException(status_code=503, detail=str(exc), headers={"Retry-After": "5"})
 
 
 def install_error_handlers(api: FastAPI) -> None:

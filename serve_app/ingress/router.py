@@ -4,12 +4,14 @@ serve_app.ingress.mem0_routes, text completions: serve_app.ingress.completion_ro
 
 from __future__ import annotations
 
+from fastapi import HTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.ingress.completion_routes import CompletionRoutes
 from serve_app.ingress.mem0_routes import Mem0Routes
 from serve_app.ingress.routes import api
+from serve_app.ingress.shard_availability import ShardAvailability
 from serve_app.settings import ServiceSettings
 
 
@@ -17,16 +19,26 @@ from serve_app.settings import ServiceSettings
 @serve.ingress(api)
 class ChatAPI(Mem0Routes, CompletionRoutes):
     """user -> shard (assigned once, kept in Redis, cached here) -> the handle of that shard's
-    LLMReplica deployment."""
+    LLMReplica deployment; a shard whose replica Serve is replacing answers 503 at once
+    (serve_app.ingress.shard_availability) instead of queueing the request until it is back."""
 
     def __init__(self, replicas: list[DeploymentHandle], settings: ServiceSettings) -> None:
         self.replicas = replicas
         self.num_shards = len(replicas)
         self.ingress_name = "router"
+        self.availability = ShardAvailability(replicas)
         self._init_routes(settings)
 
     def _replica(self, shard: int) -> DeploymentHandle:
         return self.replicas[shard]
 
+    def _shard_refusal(self, shard: int) -> HTTPException | None:
+        """503 at once while the shard's deployment has no running replica (Serve is replacing it)."""
+        self.availability.ensure_polling()
+        return self.availability.refusal(shard)
+
     def _home_replica(self) -> DeploymentHandle:
-        return self.replicas[0]
+        """For requests that touch no user's memory: the first shard's replica that is running."""
+        self.availability.ensure_polling()
+        running = [r for shard, r in enumerate(self.replicas) if self.availability.refusal(shard) is None]
+        return running[0] if running else self.replicas[0]

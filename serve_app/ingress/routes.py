@@ -43,10 +43,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from memory.directory import UserDirectory
-from memory.fairness import EncodeBacklogFull
-from memory.records import QuotaExceeded, StoreFull, StoreUnavailable, is_fact_id
+from memory.records import StoreUnavailable, is_fact_id
 from serve_app.ingress.auth import Authenticator, KeyRecord, KeyStore, NewKeyRequest, Principal, caller
-from serve_app.ingress.errors import install_error_handlers
+from serve_app.ingress.errors import http_error, install_error_handlers, store_unavailable
 from serve_app.ingress.gate import RequestGate
 from serve_app.memory_protocol import (
     AddMemoryRequest,
@@ -89,36 +88,19 @@ def memory_route(verb: Literal["GET", "POST", "PUT", "DELETE"], path: str) -> Ca
     return register
 
 
-def http_error(exc: BaseException) -> HTTPException | None:
-    """The HTTP error for a replica's exception (Ray wraps it; report the original message)."""
-    cause = getattr(exc, "cause", None) or exc
-    message = cause.message if isinstance(cause, QuotaExceeded) else str(cause.args[0] if cause.args else cause)
-    if isinstance(cause, RequestRejected):
-        return HTTPException(status_code=400, detail=message)
-    if isinstance(cause, NotFound):
-        return HTTPException(status_code=404, detail=message)
-    if type(cause).__name__ in _ENGINE_DOWN:  # by name: the ingress does not import vLLM
-        return HTTPException(503, f"the engine is restarting, try again shortly ({message})", {"Retry-After": "5"})
-    if isinstance(cause, QuotaExceeded):  # nothing stored; deletes free quota
-        return HTTPException(status_code=429, detail=message)
-    if isinstance(cause, StoreFull):  # Redis at maxmemory (noeviction) refused the write: nothing changed
-        return HTTPException(507, message, {"Retry-After": "60"})
-    if isinstance(cause, EncodeBacklogFull):  # the user's facts waiting for KV are at the bound: nothing stored
-        return HTTPException(429, message, {"Retry-After": str(cause.retry_after_s)})
-    if isinstance(cause, StoreUnavailable):  # Redis away: nothing was acknowledged, try again
-        return HTTPException(503, message, {"Retry-After": "5"})
-    if isinstance(cause, TimeoutError):  # the memory shard did not answer in time (busy, or restarting)
-        return HTTPException(503, f"the memory shard is busy or restarting, try again shortly ({message})", {"Retry-After": "5"})
-    return None
-
-
-# vLLM's errors for a dead engine (vllm.v1.engine.exceptions); the replica restarts it in place
-_ENGINE_DOWN = {"EngineDeadError", "EngineGenerateError"}
-
-
-def _unavailable(exc: StoreUnavailable) -> HTTPException:
-    """503 with Retry-After; 507 when Redis is full (StoreFull)."""
-    return http_error(exc) or HTTPException(status_code=503, detail=str(exc), headers={"Retry-After": "5"})
+async def answer_unless(call: Awaitable[Any], refusal: Callable[[], HTTPException | None], timeout_s: float) -> Any:
+    """`call`'s answer within `timeout_s` (asyncio.TimeoutError past it), given up with `refusal()`'s
+    error as soon as it has one (checked every second: a shard whose replica died meanwhile)."""
+    task, deadline = asyncio.ensure_future(call), asyncio.get_running_loop().time() + timeout_s
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=min(1.0, max(0.0, deadline - asyncio.get_running_loop().time())))
+        if done:
+            return task.result()
+        error = refusal() if asyncio.get_running_loop().time() < deadline else asyncio.TimeoutError()
+        if error is not None:
+            task.cancel()
+            getattr(call, "cancel", lambda: None)()  # a Serve response: cancel the request in the replica too
+            raise error
 
 
 class ChatRoutes:
@@ -154,10 +136,21 @@ class ChatRoutes:
         try:
             return await self.directory.shard_of(user_id, self.num_shards)
         except StoreUnavailable as exc:
-            raise _unavailable(exc) from exc
+            raise store_unavailable(exc) from exc
 
     async def _replica_of_user(self, user_id: str) -> Any:
-        return self._replica(await self._shard_of_user(user_id))
+        return self._routable(await self._shard_of_user(user_id))
+
+    def _routable(self, shard: int) -> Any:
+        """The calls of shard `shard`'s replica, or a 503 at once while it has none running."""
+        refusal = self._shard_refusal(shard)
+        if refusal is not None:
+            raise refusal
+        return self._replica(shard)
+
+    def _shard_refusal(self, shard: int) -> HTTPException | None:
+        """Why a request for `shard` is answered 503 now (the router: serve_app.ingress.shard_availability)."""
+        return None
 
     async def _replica_of_fact(
         self, principal: Principal, fact_id: str, user_id: str | None
@@ -167,15 +160,18 @@ class ChatRoutes:
         try:
             owner = await self.directory.owner_of_fact(fact_id) if is_fact_id(fact_id) else None
         except StoreUnavailable as exc:
-            raise _unavailable(exc) from exc
+            raise store_unavailable(exc) from exc
         if owner is None or not principal.may_act_for(owner) or (user_id is not None and owner != user_id):
             raise HTTPException(status_code=404, detail=f"no memory {fact_id!r}")
         return await self._replica_of_user(owner), owner
 
-    async def _answer(self, call: Awaitable[Any]) -> Any:
-        """The replica's answer to a call, bounded in time, with its refusals as HTTP errors."""
+    async def _answer(self, call: Awaitable[Any], shard: int | None = None) -> Any:
+        """The replica's answer to a call, bounded in time, with its refusals as HTTP errors; a call to
+        `shard` is given up (503) as soon as that shard's replica is known to be down."""
         try:
-            return await asyncio.wait_for(call, self.settings.replica_call_timeout_s)
+            if shard is None:
+                return await asyncio.wait_for(call, self.settings.replica_call_timeout_s)
+            return await answer_unless(call, lambda: self._shard_refusal(shard), self.settings.replica_call_timeout_s)
         except asyncio.TimeoutError as exc:
             timeout = self.settings.replica_call_timeout_s  # busy or restarting: a client should try again, as for any 503
             raise HTTPException(503, f"the replica gave no answer within {timeout:.0f} s", {"Retry-After": "5"}) from exc
@@ -207,18 +203,18 @@ class ChatRoutes:
                 except HTTPException:
                     if request.memory.mode != "none":
                         raise  # a request that needs no memory is answered even while Redis is down
-        replica = self._home_replica() if shard is None else self._replica(shard)
+        replica = self._home_replica() if shard is None else self._routable(shard)
         # which ingress took the request and which shard answered it (routing is observable)
         response.headers["X-KVMem-Route"] = route = f"{self.ingress_name} -> {'home' if shard is None else f'shard-{shard}'}"
         scope = None if self.settings.auth.mode == "off" else principal.cache_scope  # salts a user-less request
         called = clock.record("route", routed)
         if not request.stream:
-            answer = await self._answer(replica.chat.remote(request, scope))
+            answer = await self._answer(replica.chat.remote(request, scope), shard)
             clock.record("replica_answer", called)
             response.headers["Server-Timing"] = self._timed(clock)
             return answer
         events = replica.options(stream=True).chat_stream.remote(request, scope)
-        first = await self._answer(events.__anext__())  # a refusal comes as a status, not a stream
+        first = await self._answer(events.__anext__(), shard)  # a refusal comes as a status, not a stream
         clock.record("replica_first_event", called)
         headers = {"Server-Timing": self._timed(clock), "X-KVMem-Route": route}
         return self._relayed(first, events, headers)

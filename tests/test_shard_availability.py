@@ -1,0 +1,74 @@
+"""The router's view of which shards are up (serve_app.ingress.shard_availability), from Serve's
+own status objects: a shard whose deployment has no RUNNING replica is refused at once with 503
+and Retry-After; a slow but running replica, an unknown deployment or an unreachable controller
+never is. The kill itself, through the real service: tests/test_faults.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger
+from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+
+from serve_app.ingress.shard_availability import ShardAvailability
+
+HANDLES = [SimpleNamespace(app_name="kvmem", deployment_name=f"LLMReplica_{i}") for i in range(2)]
+
+
+def status(**replica_states: dict[str, int]) -> ServeStatus:
+    deployments = {
+        name: DeploymentStatusOverview(DeploymentStatus.HEALTHY, DeploymentStatusTrigger.UNSPECIFIED, states, "")
+        for name, states in replica_states.items()
+    }
+    return ServeStatus(applications={"kvmem": ApplicationStatusOverview(ApplicationStatus.RUNNING, "", 0.0, deployments)})
+
+
+def test_a_shard_without_a_running_replica_is_refused_at_once_until_one_runs() -> None:
+    shards = ShardAvailability(HANDLES)
+    shards.update(status(LLMReplica_0={"RUNNING": 1}, LLMReplica_1={"RUNNING": 1}))
+    assert shards.refusal(0) is None and shards.refusal(1) is None
+    shards.update(status(LLMReplica_0={"RUNNING": 1}, LLMReplica_1={"STARTING": 1}))  # replica 1 was killed
+    refused = shards.refusal(1)
+    assert refused is not None and refused.status_code == 503 and refused.headers == {"Retry-After": "5"}
+    assert "restarting" in refused.detail and shards.refusal(0) is None  # the other shard is untouched
+    shards.update(status(LLMReplica_0={"RUNNING": 1}, LLMReplica_1={"RUNNING": 1, "STOPPING": 1}))
+    assert shards.refusal(1) is None
+
+
+def test_no_opinion_is_never_a_refusal() -> None:
+    shards = ShardAvailability(HANDLES)
+    shards.update(status(LLMReplica_0={"RUNNING": 1}))  # LLMReplica_1 not deployed yet
+    shards.update(ServeStatus())  # Serve not started: no applications
+    assert shards.refusal(0) is None and shards.refusal(1) is None
+    shards.update(status(LLMReplica_0={}, LLMReplica_1={"RUNNING": 1}))  # no replica at all: down
+    assert shards.refusal(0) is not None
+
+
+def test_a_call_waiting_on_a_shard_that_goes_down_is_given_up_within_a_second() -> None:
+    import asyncio
+    import time
+
+    import pytest
+    from fastapi import HTTPException
+
+    from serve_app.ingress.routes import answer_unless
+
+    async def never() -> None:
+        await asyncio.sleep(3600)
+
+    async def soon() -> str:
+        await asyncio.sleep(0.1)
+        return "answer"
+
+    async def scenario() -> None:
+        assert await answer_unless(soon(), lambda: None, 10) == "answer"
+        down_at = time.monotonic() + 1.5  # the shard's replica is seen down 1.5 s into the wait
+        refusal = lambda: HTTPException(503, "down") if time.monotonic() >= down_at else None  # noqa: E731
+        started = time.monotonic()
+        with pytest.raises(HTTPException):
+            await answer_unless(never(), refusal, 60)
+        assert time.monotonic() - started < 1.5 + 1.2
+        with pytest.raises(asyncio.TimeoutError):
+            await answer_unless(never(), lambda: None, 0.3)
+
+    asyncio.run(scenario())
