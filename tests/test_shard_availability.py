@@ -1,7 +1,8 @@
 """The router's view of which shards are up (serve_app.ingress.shard_availability), from Serve's
 own status objects: a shard whose deployment has no RUNNING replica is refused at once with 503
 and Retry-After; a slow but running replica, an unknown deployment or an unreachable controller
-never is. The kill itself, through the real service: tests/test_faults.py."""
+never is; a call already waiting on a shard is given up once the shard is seen down
+(serve_app.ingress.routes.answer_unless). The kill itself, through the real service: tests/test_faults.py."""
 
 from __future__ import annotations
 
