@@ -76,4 +76,4 @@ def test_reconcile_false_keeps_the_old_fact(served_app: str) -> None:
     body = {"user_id": "sven", "reconcile": False, "messages": [{"role": "user", "content": "I live in Rome now."}]}
     results = _post(base, body)["results"]
     assert results and {r["event"] for r in results} == {"ADD"}
-    assert _current(base, "sven")[paris]["text"] == "I live in Paris."
+    assert _current(base, "sven")[paris]["memory"] == "I live in Paris."
