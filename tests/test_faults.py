@@ -18,6 +18,7 @@ import shutil
 import signal
 import time
 import uuid
+from collections import Counter
 
 import psutil
 import pytest
@@ -215,7 +216,10 @@ def _kill_under_load(url: str, name: str, victim: psutil.Process, after_kill=Non
             after_kill()
         recovery = _recovery_s(url, killed_at)
         time.sleep(1)
-    print(f"{name}: answered again {recovery:.1f} s after the kill; {len(load.outcomes)} requests")
+    statuses = Counter(str(status) for _, status, _ in load.outcomes)
+    slowest = max((seconds for _, status, seconds in load.outcomes if status != 200), default=0.0)
+    print(f"{name}: answered again {recovery:.1f} s after the kill; {len(load.outcomes)} requests {dict(statuses)}, "
+          f"the slowest answer other than 200 took {slowest:.1f} s")
     kept = _live_entries()
     assert all(kept.get(tag) == entry for tag, entry in seed_kv.items())  # the KV was kept, not rebuilt
     return load, recovery
