@@ -182,7 +182,7 @@ def test_only_ids_of_the_minted_shape_are_fact_ids() -> None:
     minted = new_fact_id()
     assert is_fact_id(minted) and is_fact_id("f" * 32)
     for odd in (f"{minted}:history", minted + "x", minted.upper(), minted[:-1], "", "apikey:" + "a" * 64,
-                f"user:bea:facts", f"{minted}\n", f" {minted}", "0" * 31 + "g", "\u0661" * 32):
+                "user:bea:facts", f"{minted}\n", f" {minted}", "0" * 31 + "g", "\u0661" * 32):
         assert not is_fact_id(odd), odd
 
 

@@ -55,7 +55,7 @@ from serve_app.memory_protocol import (
     SearchMemoryRequest,
     UpdateMemoryRequest,
 )
-from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, NotFound, RequestRejected
+from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, RequestRejected
 from serve_app.settings import ServiceSettings
 from serve_app.stage_timings import StageClock, stage_histogram
 

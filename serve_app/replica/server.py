@@ -92,7 +92,7 @@ class MemoryLLM(TextCompletions):
 
         self.ttft = Histogram("kvmem_ttft_seconds", description="Engine time to first token.", boundaries=_TTFT_BOUNDARIES_S, tag_keys=("mode",))
         self.stage_seconds = stage_histogram()
-        self.requests = Counter("kvmem_requests_total", description="Chat requests by outcome.", tag_keys=("outcome",))
+        self.requests = Counter("kvmem_requests_total", description="Chat and text-completion requests by outcome.", tag_keys=("outcome",))
         self.generated_tokens = Counter("kvmem_generated_tokens_total", description="Tokens generated.")
         self.injected_tokens = Counter("kvmem_injected_tokens_total", description="Prompt tokens supplied by KV injection.")
         self.facts_encoded = Counter("kvmem_facts_encoded_total", description="Fact KV entries captured.")
