@@ -9,15 +9,19 @@ and nothing else: every other shard call stays a Ray call (actors.shard_client).
 
 - PlanServer runs in the shard actor's process, on a thread of its own; each request runs
   under the lock that also serializes the actor's Ray calls (actors.shard_actor.ShardActor), so
-  the shard still runs one call at a time. The address is a Unix socket file beside the shard's
+  the shard still runs one call at a time. Each request carries its client's deadline: one whose
+  client has given up by the time it is read, or by the time it gets the lock, is answered
+  PlanExpired without being planned, so a shard that was slow or restarting does not work
+  through a backlog of plans nobody waits for. The address is a Unix socket file beside the shard's
   arena (for a long arena path, in this account's 0700 folder), readable and writable by its
   owner only: the channel answers with users' facts and takes pickles, so no other local account
   may connect, nor put its own socket in the shard's place (an abstract socket would have no
   permissions at all). A restarted shard replaces the file.
 - PlanClient is the replica's end: one DEALER socket, many requests in flight, one reader task
   that hands each reply to its waiting request. A request that gets no answer within the
-  client's timeout raises PlanChannelTimeout (the shard is restarting, or busy for longer);
-  actors.shard_client then asks through Ray, which retries across a restart.
+  client's timeout raises PlanChannelTimeout (the shard is restarting, or busy for longer): the
+  chat is answered 503 with Retry-After. It is not asked again through Ray: that doubled the
+  shard's work exactly when it was behind. ZeroMQ reconnects to a restarted shard by itself.
 
 ZeroMQ (pyzmq, already a vLLM dependency) rather than a hand-written socket protocol: framing,
 reconnects and many-to-one routing are what it does. Messages are pickled, as Ray's are.
@@ -33,9 +37,10 @@ import logging
 import os
 import pickle
 import stat
+import struct
 import tempfile
 import threading
-from dataclasses import dataclass
+import time
 from typing import Any, Callable
 
 import zmq
@@ -51,6 +56,13 @@ _POLL_MS = 200  # how often the server thread checks whether it should stop
 
 class PlanChannelTimeout(TimeoutError):
     """The shard did not answer on the plan channel within the client's timeout."""
+
+
+class PlanExpired(TimeoutError):
+    """The shard read a plan request after its client's deadline and did not plan it."""
+
+
+_DEADLINE = struct.Struct("<d")  # the client's deadline, wall-clock seconds (both ends share a host)
 
 
 _MAX_SOCKET_PATH = 100  # sockaddr_un holds 107 bytes
@@ -102,6 +114,7 @@ class PlanServer:
         self.lock = lock
         self.bound = threading.Event()
         self._stop = threading.Event()
+        self.expired = 0  # requests not planned: their clients had given up
         self._socket: zmq.Socket | None = None
         self._inode: int | None = None
         self._thread = threading.Thread(target=self._serve, name="kvmem-plan-channel", daemon=True)
@@ -143,21 +156,34 @@ class PlanServer:
                 if not socket.poll(_POLL_MS):
                     continue
                 frames = socket.recv_multipart()
-                if len(frames) != 3:  # not one of our clients' messages: dropped
+                if len(frames) != 4 or len(frames[2]) != _DEADLINE.size:  # not one of our clients' messages: dropped
                     logger.warning("plan channel %s: dropped a message of %d frames", self.address, len(frames))
                     continue
-                client, request_id, payload = frames
-                try:
-                    request = pickle.loads(payload)
-                    with self.lock:
-                        outcome: tuple[str, Any] = ("ok", self.plan(request))
-                except Exception as exc:  # the shard's own error, raised again in the replica
-                    outcome = ("error", exc)
-                socket.send_multipart([client, request_id, _reply(outcome)])
-        except Exception:  # the replica falls back to Ray calls after its timeout
+                client, request_id, deadline, payload = frames
+                socket.send_multipart([client, request_id, _reply(self._answer(_DEADLINE.unpack(deadline)[0], payload))])
+        except Exception:  # the shard's health says so, and the replica's watchdog restarts the shard
             logger.exception("plan channel %s stopped", self.address)
         finally:
             socket.close()
+
+    def _answer(self, deadline: float, payload: bytes) -> tuple[str, Any]:
+        """The plan, the shard's own error (raised again in the replica), or PlanExpired when the
+        client's deadline passed before the plan could start."""
+        try:
+            if time.time() > deadline:
+                raise PlanExpired("the plan request reached the shard after its client gave up")
+            request = pickle.loads(payload)
+            with self.lock:
+                if time.time() > deadline:
+                    raise PlanExpired("the plan request waited past its client's deadline for the shard")
+                return ("ok", self.plan(request))
+        except Exception as exc:
+            self.expired += isinstance(exc, PlanExpired)
+            return ("error", exc)
+
+    def serving(self) -> bool:
+        """Whether the channel's thread still answers (it stops only on an error of its own)."""
+        return self._thread.is_alive() and not self._stop.is_set()
 
 
 class PlanClient:
@@ -202,7 +228,8 @@ class PlanClient:
         try:
             # asyncio.timeout, not wait_for: no task of its own per request (one loop turn fewer)
             async with asyncio.timeout(self.timeout_s):
-                await socket.send_multipart([request_id, pickle.dumps(request)])
+                deadline = _DEADLINE.pack(time.time() + self.timeout_s)
+                await socket.send_multipart([request_id, deadline, pickle.dumps(request)])
                 reply = await answer
         except TimeoutError:
             raise PlanChannelTimeout(f"no plan from {self.address} within {self.timeout_s:g} s") from None

@@ -6,17 +6,24 @@ exception raised inside the actor; the client re-raises the shard's own exceptio
 ArenaError, ...) so callers handle domain errors, not Ray's wrapper.
 
 Chat plans, the one call on every chat request's path, go over the shard's plan channel when
-the client has one (actors.plan_channel: a local socket, no Ray round trip); when the channel
-does not answer in time (the shard restarting), the plan is asked for through Ray instead.
+the client has one (actors.plan_channel: a local socket, no Ray round trip), else through Ray.
+
+Nothing waits for the shard without a deadline, and the shard drops what nobody waits for any
+more (actors.shard_actor): each call carries its deadline (`call_deadline`), and a call the
+client stopped waiting for is cancelled in Ray (ray.cancel: never run, never retried into a
+restarted shard). Health probes go to the shard's probe concurrency group (actors.shard_actor.
+PROBE_GROUP), never queued behind its other calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Sequence, TypeVar
+import time
+from typing import Any, Sequence, TypeVar
 
-from actors.plan_channel import PlanChannelTimeout, PlanClient
+from actors.plan_channel import PlanChannelTimeout, PlanClient, PlanExpired
+from actors.shard_calls import PROBE_GROUP, CallExpired, ShardHealth
 from memory.chat_query import ChatQuery
 from memory.records import FactEvent, FactRecord, NewFact, Turn
 from memory.planner import ChatPlan
@@ -41,8 +48,11 @@ class _InProcessMethod:
     def __init__(self, method: Any) -> None:
         self.method = method
 
-    async def remote(self, *args: Any) -> Any:
-        return self.method(*args)
+    def options(self, **_: Any) -> "_InProcessMethod":
+        return self  # one thread here: no concurrency groups
+
+    async def remote(self, *args: Any, call_deadline: float | None = None) -> Any:
+        return self.method(*args)  # in process, the caller is waiting by definition
 
 
 class _InProcessActor:
@@ -59,96 +69,115 @@ class _InProcessActor:
 class ShardClient:
     """Async, typed, time-bounded calls to one MemoryShard actor (see the module docstring)."""
 
-    def __init__(self, actor: Any, timeout_s: float = 30.0, plan_channel: PlanClient | None = None) -> None:
+    def __init__(self, actor: Any, timeout_s: float = 30.0, plan_channel: PlanClient | None = None, engine_slot: int = 0) -> None:
         self.actor = actor
         self.timeout_s = timeout_s
         self.plan_channel = plan_channel
-        self.plans_over_ray = 0  # plans the channel did not answer in time, asked for through Ray
+        self.engine_slot = engine_slot  # the caller's engine among the shard's replicas (its encode jobs)
 
     @classmethod
     def in_process(cls, shard: Any, timeout_s: float = 300.0) -> "ShardClient":
         """A client over a MemoryShard object in this process (tests, benchmark scripts)."""
         return cls(_InProcessActor(shard), timeout_s)
 
-    async def _wait(self, call: Awaitable[T], timeout_s: float | None = None) -> T:
+    async def _call(self, method: Any, *args: Any, timeout_s: float | None = None) -> Any:
+        """`method.remote(*args)` on the shard, within the timeout (ShardTimeout past it, and the
+        call cancelled); the shard's own exception raised again here."""
+        timeout = timeout_s or self.timeout_s
+        call = method.remote(*args, call_deadline=time.time() + timeout)
         try:
-            return await asyncio.wait_for(call, timeout_s or self.timeout_s)
+            return await asyncio.wait_for(call, timeout)
         except asyncio.TimeoutError:
-            raise ShardTimeout(f"memory shard did not answer within {timeout_s or self.timeout_s:.0f} s") from None
+            _cancel(call)
+            raise ShardTimeout(f"memory shard did not answer within {timeout:.0f} s") from None
         except Exception as exc:
             cause = unwrap_ray_error(exc)
+            if isinstance(cause, CallExpired):  # it reached the shard too late: the same as no answer
+                raise ShardTimeout(f"memory shard did not answer within {timeout:.0f} s ({cause})") from None
             if cause is exc:
                 raise
             raise cause from None
 
     # ---------------------------------------------------------------- identity
     async def arena_path(self) -> str:
-        return await self._wait(self.actor.arena_path.remote())
+        return await self._call(self.actor.arena_path)
 
     async def ready(self) -> dict[str, Any]:
-        return await self._wait(self.actor.ready.remote())
+        return await self._call(self.actor.ready)
 
     async def stats(self) -> dict[str, Any]:
-        return await self._wait(self.actor.stats.remote())
+        return await self._call(self.actor.stats)
 
     # ---------------------------------------------------------------- writes
     async def next_turn_order(self, user_id: str) -> float:
-        return await self._wait(self.actor.next_turn_order.remote(user_id))
+        return await self._call(self.actor.next_turn_order, user_id)
 
     async def check_room(self, user_id: str, facts: Sequence[NewFact] = (), turns: Sequence[Turn] = ()) -> None:
         """QuotaExceeded (memory.records) unless the user has room for all of them."""
-        await self._wait(self.actor.check_room.remote(user_id, list(facts), list(turns)))
+        await self._call(self.actor.check_room, user_id, list(facts), list(turns))
 
     async def add_turns(self, user_id: str, turns: Sequence[Turn]) -> None:
-        await self._wait(self.actor.add_turns.remote(user_id, list(turns)))
+        await self._call(self.actor.add_turns, user_id, list(turns))
 
     async def check_encode_backlog(self, user_id: str, new_facts: int) -> None:
-        await self._wait(self.actor.check_encode_backlog.remote(user_id, new_facts))
+        await self._call(self.actor.check_encode_backlog, user_id, new_facts)
 
     async def add_facts(self, user_id: str, facts: Sequence[NewFact]) -> list[dict[str, Any]]:
-        return await self._wait(self.actor.add_facts.remote(user_id, list(facts)))
+        return await self._call(self.actor.add_facts, user_id, list(facts))
 
     async def update(self, fact_id: str, user_id: str, text: str, metadata: dict[str, Any] | None = None) -> FactRecord:
-        return await self._wait(self.actor.update.remote(fact_id, user_id, text, metadata))
+        return await self._call(self.actor.update, fact_id, user_id, text, metadata)
 
     async def delete(self, fact_id: str, user_id: str) -> FactRecord:
-        return await self._wait(self.actor.delete.remote(fact_id, user_id))
+        return await self._call(self.actor.delete, fact_id, user_id)
 
     async def delete_all(self, user_id: str) -> int:
-        return await self._wait(self.actor.delete_all.remote(user_id))
+        return await self._call(self.actor.delete_all, user_id)
 
     # ---------------------------------------------------------------- reads
     async def get(self, fact_id: str, user_id: str) -> FactRecord:
-        return await self._wait(self.actor.get.remote(fact_id, user_id))
+        return await self._call(self.actor.get, fact_id, user_id)
 
     async def get_all(self, user_id: str) -> list[FactRecord]:
-        return await self._wait(self.actor.get_all.remote(user_id))
+        return await self._call(self.actor.get_all, user_id)
 
     async def history(self, fact_id: str, user_id: str) -> list[FactEvent]:
-        return await self._wait(self.actor.history.remote(fact_id, user_id))
+        return await self._call(self.actor.history, fact_id, user_id)
 
     async def search(self, user_id: str, query: str, k: int) -> list[MemoryHit]:
-        return await self._wait(self.actor.search.remote(user_id, query, k))
+        return await self._call(self.actor.search, user_id, query, k)
 
     async def plan_chat(self, query: ChatQuery) -> ChatPlan:
-        """The shard's plan for a chat: over the plan channel, or through Ray when it does not answer."""
-        if self.plan_channel is not None:
-            try:
-                return await self.plan_channel.plan(query)
-            except PlanChannelTimeout as exc:
-                self.plans_over_ray += 1
-                logger.warning("%s; asking through Ray", exc)
-        return await self._wait(self.actor.plan_chat.remote(query))
+        """The shard's plan for a chat, over the plan channel when there is one (ShardTimeout when
+        it does not answer in time: not asked again through Ray, module docstring)."""
+        if self.plan_channel is None:
+            return await self._call(self.actor.plan_chat, query)
+        try:
+            return await self.plan_channel.plan(query)
+        except (PlanChannelTimeout, PlanExpired) as exc:
+            raise ShardTimeout(f"memory shard did not plan in time: {exc}") from None
 
-    # ---------------------------------------------------------------- encoding (memory.shard.EncodeQueue)
+    # ---------------------------------------------------------------- encoding (memory.kv_lifecycle)
     async def take_encode_jobs(self, max_jobs: int | None = None) -> list[EncodeJob]:
-        return await self._wait(self.actor.take_encode_jobs.remote(max_jobs))
+        return await self._call(self.actor.take_encode_jobs, max_jobs, self.engine_slot)
 
     async def complete_encode_jobs(self, outcomes: dict[str, EncodeOutcome]) -> int:
-        return await self._wait(self.actor.complete_encode_jobs.remote(outcomes))
+        return await self._call(self.actor.complete_encode_jobs, outcomes)
 
     async def encode_pending(self, fact_ids: Sequence[str]) -> list[str]:
-        return await self._wait(self.actor.encode_pending.remote(list(fact_ids)))
+        return await self._call(self.actor.encode_pending, list(fact_ids))
 
-    async def health(self, timeout_s: float | None = None) -> str:
-        return await self._wait(self.actor.health.remote(), timeout_s)
+    async def health(self, timeout_s: float | None = None) -> ShardHealth:
+        """A probe in the shard's probe group: answered at once, whatever its other calls are doing."""
+        return await self._call(self.actor.health.options(concurrency_group=PROBE_GROUP), timeout_s=timeout_s)
+
+
+def _cancel(call: Any) -> None:
+    """Cancel a Ray call nobody waits for any more (not run if it has not started, never retried)."""
+    try:
+        import ray
+
+        if isinstance(call, ray.ObjectRef):
+            ray.cancel(call, recursive=False)
+    except Exception as exc:  # noqa: BLE001 - the call's deadline sheds it in the shard anyway
+        logger.debug("could not cancel a shard call: %s", exc)

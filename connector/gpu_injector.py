@@ -67,11 +67,20 @@ class _Pending:
 class GpuInjector:
     """Fused GPU injection and capture over the pinned host tier and the HBM tier."""
 
-    def __init__(self, arena: FactArena, layers: list[torch.Tensor], repositioner, device_pages: int, promote_on_capture: bool = True) -> None:
+    def __init__(
+        self,
+        arena: FactArena,
+        layers: list[torch.Tensor],
+        repositioner,
+        device_pages: int,
+        promote_on_capture: bool = True,
+        engine_slot: int = 0,
+    ) -> None:
         from connector import triton_inject
 
         self.kernels = triton_inject
         self.arena = arena
+        self.engine_slot = engine_slot  # the arena's residency table of this engine
         g = arena.geometry
         self.page_tokens = g.page_tokens
         self.device = layers[0].device
@@ -175,7 +184,7 @@ class GpuInjector:
         return self.staging
 
     def _publish(self, pages: np.ndarray, slots: np.ndarray) -> None:
-        self.arena.publish_residency(pages.astype(np.int64), slots.astype(np.int32))
+        self.arena.publish_residency(pages.astype(np.int64), slots.astype(np.int32), self.engine_slot)
 
     # ---------------------------------------------------------------- injection
     def inject(self, arena_slots: np.ndarray, cache_slots: np.ndarray, distances: np.ndarray, layerwise: bool) -> None:

@@ -24,9 +24,12 @@ overlap of host-tier copies with the forward. Elsewhere (the CPU engine), and wi
 kv_connector_extra_config {"injector": "torch"}, the torch path in connector.worker, also the
 reference the Triton kernels are tested against.
 
-kv_connector_extra_config keys: arena_path (required); device_pages (HBM-tier pages, default
-0: host tier only, staging buffers alone on the device); injector ("auto" | "torch");
-promote_on_capture (default true: captured pages enter the HBM tier while it has free slots).
+kv_connector_extra_config: connector.engine_config.ConnectorConfig, read once here: arena_path
+(required); device_pages (HBM-tier pages, default 0: host tier only, staging buffers alone on the
+device); injector ("auto" | "torch"); promote_on_capture (default true: captured pages enter the
+HBM tier while it has free slots); engine_slot (this engine's pin slot in the arena: the replicas
+of one shard each run an engine over the same arena, and a restarted engine clears only its own
+slot's pins).
 The scheduler side also makes the engine core stop once the process that started it is gone
 (connector.parent_watch).
 
@@ -44,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from connector.engine_config import ConnectorConfig
 from connector.metadata import KVMemoryConnectorMetadata
 from connector.parent_watch import watch_parent
 from connector.rotary import KeyRepositioner, rope_max_position
@@ -71,26 +75,25 @@ class KVMemoryConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        arena_path = self._kv_transfer_config.get_from_extra_config("arena_path", None)
-        if not arena_path:
-            raise ValueError("KVMemoryConnector needs kv_connector_extra_config['arena_path']")
-        arena = FactArena.open(arena_path)
+        config = ConnectorConfig.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config))
+        arena = FactArena.open(config.arena_path)
         if role == KVConnectorRole.SCHEDULER:
             watch_parent()  # the engine core goes when its replica goes (connector.parent_watch)
             self._scheduler: KVMemoryScheduler | None = KVMemoryScheduler(
-                arena, vllm_config.cache_config.block_size, max_distance=rope_max_position(vllm_config) - 1
+                arena, vllm_config.cache_config.block_size, max_distance=rope_max_position(vllm_config) - 1,
+                engine_slot=config.engine_slot,
             )
             self._worker: KVMemoryWorker | None = None
         else:
             self._scheduler = None
-            extra = self._kv_transfer_config
             self._worker = KVMemoryWorker(
                 arena,
                 KeyRepositioner.from_vllm_config(vllm_config),
                 vllm_config,
-                device_pages=int(extra.get_from_extra_config("device_pages", 0)),
-                injector=str(extra.get_from_extra_config("injector", "auto")),
-                promote_on_capture=bool(extra.get_from_extra_config("promote_on_capture", True)),
+                device_pages=config.device_pages,
+                injector=config.injector,
+                promote_on_capture=config.promote_on_capture,
+                engine_slot=config.engine_slot,
             )
 
     # ---------------------------------------------------------------- scheduler role

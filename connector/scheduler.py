@@ -66,17 +66,19 @@ class RequestPlan:
 class KVMemoryScheduler:
     """The scheduler half of KVMemoryConnector (engine-core process): plans, pins, emits ops."""
 
-    def __init__(self, arena: FactArena, block_size: int, max_distance: int = 1 << 30) -> None:
+    def __init__(self, arena: FactArena, block_size: int, max_distance: int = 1 << 30, engine_slot: int = 0) -> None:
         self.arena = arena
         self.block_size = block_size
         self.max_distance = max_distance  # the worker's rotary table ends there
+        self.engine_slot = engine_slot  # this engine's pins in the arena (other engines of the shard have their own)
         self.plans: dict[str, RequestPlan] = {}
         self.fallbacks = 0
-        # This scheduler is the arena's only pinner: pins found now were taken by requests of an
-        # engine that died (they never finish), so they go, with the retired entries they held.
-        stale = arena.clear_pins()
+        # This scheduler is its slot's only pinner: pins found there now were taken by requests of
+        # the engine that held the slot before and died (they never finish), so they go, with the
+        # retired entries only they held. Other slots belong to live engines of the same shard.
+        stale = arena.clear_pins(engine_slot)
         if stale:
-            logger.warning("KV memory connector: released %d pins left by a previous engine", stale)
+            logger.warning("KV memory connector: released %d pins left by a previous engine in slot %d", stale, engine_slot)
 
     # -------- planning
     def _plan(self, request: "Request") -> RequestPlan | None:
@@ -115,7 +117,7 @@ class KVMemoryScheduler:
         ids, gens, starts = params.inject_arrays()
         order = np.argsort(starts, kind="stable")  # serving order; overlapping entries: the first asked wins
         ids, gens, starts = ids[order], gens[order], starts[order]
-        pinned, ok = self.arena.pin_columns(ids, gens)  # one lock for all
+        pinned, ok = self.arena.pin_columns(ids, gens, self.engine_slot)  # one lock for all
         if pinned is None:
             bad = int(np.flatnonzero(~ok)[0])
             self._fallback(request, f"entry {ids[bad]} gen {gens[bad]} is unknown, stale or freed")
@@ -127,7 +129,7 @@ class KVMemoryScheduler:
         slots = pinned.token_slots
         distances = np.repeat(starts - pinned.encode_starts, lengths)
         if len(distances) and int(np.abs(distances).max()) > self.max_distance:  # the worker could not rotate it
-            self.arena.unpin_columns(ids, gens)
+            self.arena.unpin_columns(ids, gens, self.engine_slot)
             self._fallback(request, f"an entry moves more than the rotary table's {self.max_distance} positions")
             return
         # all entries' tokens against the prompt in one comparison (per-entry checks cost ~20 us each)
@@ -136,7 +138,7 @@ class KVMemoryScheduler:
         equal[inside] = self.arena.token_ids[slots[inside]] == prompt[positions[inside]]
         if not equal.all():
             bad = int(np.searchsorted(np.cumsum(lengths), int(np.flatnonzero(~equal)[0]), side="right"))
-            self.arena.unpin_columns(ids, gens)
+            self.arena.unpin_columns(ids, gens, self.engine_slot)
             self._fallback(request, f"entry {ids[bad]} tokens do not match prompt positions {starts[bad]}..")
             return
         plan.inject_entries, plan.inject_generations = ids, gens
@@ -235,5 +237,5 @@ class KVMemoryScheduler:
         if plan is None:
             return None
         if plan.inject_starts:  # one lock for all
-            self.arena.unpin_columns(plan.inject_entries, plan.inject_generations)
+            self.arena.unpin_columns(plan.inject_entries, plan.inject_generations, self.engine_slot)
         return {PARAMS_KEY: {"captured": plan.captured, "scheduler_us": round(plan.scheduler_s * 1e6, 1)}}

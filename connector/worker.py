@@ -39,8 +39,10 @@ class KVMemoryWorker:
         device_pages: int = 0,
         injector: str = "auto",
         promote_on_capture: bool = True,
+        engine_slot: int = 0,
     ) -> None:
         self.arena = arena
+        self.engine_slot = engine_slot  # where this engine publishes its HBM tier's residency
         self.repositioner = repositioner
         self.vllm_config = vllm_config
         self.device_pages = device_pages
@@ -64,8 +66,7 @@ class KVMemoryWorker:
             raise ValueError(f"arena holds {g.num_layers} layers, the model has {len(self.layers)}")
         if self.layers[0].dtype != g.torch_dtype:
             raise ValueError(f"arena dtype {g.dtype} differs from the KV cache dtype {self.layers[0].dtype}")
-        with self.arena.locked():  # a previous engine's HBM tier died with it: no page is resident here yet
-            self.arena.page_device[:] = -1
+        self.arena.forget_residency(self.engine_slot)  # a previous engine's HBM tier died with it
         if self.layers[0].is_cuda:
             self._init_gpu()
 
@@ -81,7 +82,9 @@ class KVMemoryWorker:
         try:
             from connector.gpu_injector import GpuInjector
 
-            self.gpu = GpuInjector(self.arena, self.layers, self.repositioner, self.device_pages, self.promote_on_capture)
+            self.gpu = GpuInjector(
+                self.arena, self.layers, self.repositioner, self.device_pages, self.promote_on_capture, engine_slot=self.engine_slot
+            )
         except Exception:  # noqa: BLE001 - no Triton, odd cache strides: the torch path still works
             logger.exception("KV memory connector: GPU injector unavailable, using the torch path")
             self.gpu = None

@@ -21,9 +21,9 @@ Keys are stored as the engine wrote them (rotated for the positions they were en
 
 Tiers: kv.bin is the host tier and stays authoritative. On a GPU, the engine's worker pins it
 (cudaHostRegister) and keeps some pages in an HBM tier of its own; it publishes which pages
-are resident in `page_device` (one int32 per page: the device slot, -1 when host only), so the
-owner can account bytes per tier (usage()). Only the worker writes that table, except that
-freeing a page resets it.
+are resident in `page_device` (per engine slot, one int32 per page: the device slot, -1 when host
+only), so the owner can account bytes per tier (usage()). Only the workers write that table,
+except that freeing a page resets it.
 
 Layers (one module each, every one importable without vLLM):
     kvarena.geometry  ArenaGeometry (header.json), arena_geometry_for, ArenaError, ArenaFull
@@ -36,8 +36,10 @@ The names of the lower layers are re-exported here.
 Entry life cycle: FREE -> WRITING (allocated, capture in flight) -> LIVE (committed) ->
 RETIRED (released by the owner while a request still pins it) -> FREE. A pinned entry is
 never freed: release() of a pinned entry only retires it, and the last unpin frees it. Pins
-live in shared memory and outlive a crashed engine: its successor's scheduler clears them
-(clear_pins) when it starts. Entries outlive a crashed owner too: each carries the owner's
+live in shared memory and outlive a crashed engine. Several engines may serve one arena (the
+replicas of one shard), each under its own engine slot (kvarena.tables.MAX_ENGINES): an engine
+pins and unpins under its slot, and its successor in that slot clears that slot's pins
+(clear_pins(engine)) when it starts, leaving the other engines' pins alone. Entries outlive a crashed owner too: each carries the owner's
 tag, and a restarted owner adopts the LIVE ones it recognises (live_entries) and releases
 the rest.
 
@@ -60,14 +62,15 @@ import numpy as np
 
 from kvarena.geometry import ArenaError, ArenaFull, ArenaGeometry, arena_geometry_for
 from kvarena.tables import (
-    FREE, LIVE, RETIRED, STATE_NAMES, TAG_BYTES, WRITING, ArenaTables, EntryRef, EntryView, PinnedEntries, entry_dtype, table_sizes,
+    FREE, LIVE, MAX_ENGINES, RETIRED, STATE_NAMES, TAG_BYTES, WRITING, ArenaTables, EntryRef, EntryView, PinnedEntries,
+    entry_dtype, table_sizes,
 )
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "FREE", "WRITING", "LIVE", "RETIRED", "STATE_NAMES",
+    "FREE", "WRITING", "LIVE", "RETIRED", "STATE_NAMES", "MAX_ENGINES",
     "ArenaError", "ArenaFull", "ArenaGeometry", "arena_geometry_for",
     "ArenaTables", "EntryRef", "EntryView", "entry_dtype", "table_sizes",
     "FactArena",
@@ -150,6 +153,7 @@ class FactArena(ArenaTables):
             record["n_pages"] = n_pages
             record["pages"][:n_pages] = pages
             record["pins"] = 0
+            self.engine_pins[:, entry_id] = 0
             record["tag"] = np.void(tag.ljust(TAG_BYTES, b"\0"))
             self.page_owner[pages] = entry_id
             self.token_ids[self._token_slots(pages, n)] = np.asarray(token_ids, dtype=np.int32)
@@ -208,21 +212,28 @@ class FactArena(ArenaTables):
         return int(record["generation"]) == ref.generation and int(record["pins"]) > 0
 
     # ------------------------------------------------------------------ scheduler side
-    def clear_pins(self) -> int:
-        """Drop every pin and free the retired entries they held; returns how many pins there were.
+    def clear_pins(self, engine: int | None = None) -> int:
+        """Drop the pins of engine slot `engine` (every slot's when None) and free the retired
+        entries no pin holds any more; returns how many pins were dropped.
 
-        Only an engine scheduler pins, and one engine serves an arena: when its scheduler starts,
-        every pin left belongs to requests of an engine that died, which will never unpin."""
+        Only engine schedulers pin: when an engine's scheduler starts, every pin left in its slot
+        belongs to requests of the engine that held the slot before and died, which will never
+        unpin. Other slots' pins belong to live engines serving the same arena."""
         with self.locked():
-            pins = self.entries["pins"]
-            held = int(pins.sum())
-            pins[:] = 0
-            for entry_id in np.flatnonzero(self.entries["state"] == RETIRED):
+            slots = slice(None) if engine is None else self._engine(engine)
+            dropped = self.engine_pins[slots].copy()
+            held = int(dropped.sum())
+            self.engine_pins[slots] = 0
+            totals = self.entries["pins"]
+            totals -= dropped.sum(axis=0) if dropped.ndim == 2 else dropped
+            for entry_id in np.flatnonzero((self.entries["state"] == RETIRED) & (totals <= 0)):
+                totals[entry_id] = 0
                 self._free(int(entry_id))
             return held
 
-    def pin(self, entry_id: int, generation: int) -> EntryView | None:
-        """Pin a LIVE entry of this generation; None when it is unknown, stale or not live."""
+    def pin(self, entry_id: int, generation: int, engine: int = 0) -> EntryView | None:
+        """Pin a LIVE entry of this generation for engine slot `engine`; None when it is unknown,
+        stale or not live."""
         with self.locked():
             if not 0 <= entry_id < self.geometry.max_entries:
                 return None
@@ -230,16 +241,17 @@ class FactArena(ArenaTables):
             if record["state"] != LIVE or int(record["generation"]) != generation:
                 return None
             record["pins"] += 1
+            self.engine_pins[self._engine(engine), entry_id] += 1
             return self._view(entry_id)
 
-    def pin_many(self, placements: list[tuple[int, int]]) -> list[EntryView | None]:
+    def pin_many(self, placements: list[tuple[int, int]], engine: int = 0) -> list[EntryView | None]:
         """Pin several (entry, generation) pairs under one lock: all or none. One view per pair;
         where any pair cannot be pinned, nothing stays pinned and the failing pairs are None."""
         if not placements:
             return []
         ids = np.fromiter((e for e, _ in placements), dtype=np.int64, count=len(placements))
         gens = np.fromiter((g for _, g in placements), dtype=np.int64, count=len(placements))
-        pinned, ok = self.pin_columns(ids, gens)
+        pinned, ok = self.pin_columns(ids, gens, engine)
         if pinned is None:
             with self.locked():
                 return [None if not good else self._view(int(e)) for e, good in zip(ids, ok)]
@@ -251,8 +263,10 @@ class FactArena(ArenaTables):
             )
         ]
 
-    def pin_columns(self, entry_ids: np.ndarray, generations: np.ndarray) -> tuple[PinnedEntries | None, np.ndarray]:
-        """Pin the LIVE entries (entry_ids[i], generations[i]) under one lock, all or none:
+    def pin_columns(
+        self, entry_ids: np.ndarray, generations: np.ndarray, engine: int = 0
+    ) -> tuple[PinnedEntries | None, np.ndarray]:
+        """Pin the LIVE entries (entry_ids[i], generations[i]) for engine slot `engine` under one lock, all or none:
         (PinnedEntries in the order asked, all-True mask), or (None, mask of the pinnable ones)
         with nothing pinned. The same entry may be asked for twice (pinned twice). Column-wise
         numpy: per-record access of the structured table costs ~10 us each."""
@@ -265,6 +279,7 @@ class FactArena(ArenaTables):
             if not ok.all():
                 return None, ok
             np.add.at(self.entries["pins"], ids, 1)
+            np.add.at(self.engine_pins[self._engine(engine)], ids, 1)
             rows = self.entries[ids]  # a copy: the columns are a snapshot taken under the lock
         page_tokens = self.geometry.page_tokens
         n_tokens = rows["n_tokens"].astype(np.int64)
@@ -274,28 +289,31 @@ class FactArena(ArenaTables):
         token_slots = slots[np.arange(slots.shape[1]) < n_tokens[:, None]]  # row-major: each row's first n_tokens
         return PinnedEntries(ids, gens, n_tokens, rows["encode_start"].astype(np.int64), token_slots), ok
 
-    def unpin(self, entry_id: int, generation: int) -> None:
-        self.unpin_many([(entry_id, generation)])
+    def unpin(self, entry_id: int, generation: int, engine: int = 0) -> None:
+        self.unpin_many([(entry_id, generation)], engine)
 
-    def unpin_many(self, placements: list[tuple[int, int]]) -> None:
+    def unpin_many(self, placements: list[tuple[int, int]], engine: int = 0) -> None:
         if placements:
             ids = np.fromiter((e for e, _ in placements), dtype=np.int64, count=len(placements))
-            self.unpin_columns(ids, np.fromiter((g for _, g in placements), dtype=np.int64, count=len(placements)))
+            self.unpin_columns(ids, np.fromiter((g for _, g in placements), dtype=np.int64, count=len(placements)), engine)
 
-    def unpin_columns(self, entry_ids: np.ndarray, generations: np.ndarray) -> None:
-        """Undo pin_columns (one unpin per row); the last unpin of a RETIRED entry frees it."""
+    def unpin_columns(self, entry_ids: np.ndarray, generations: np.ndarray, engine: int = 0) -> None:
+        """Undo pin_columns of engine slot `engine` (one unpin per row); the last unpin of a
+        RETIRED entry (over every engine) frees it."""
         ids = np.asarray(entry_ids, dtype=np.int64)
         gens = np.asarray(generations, dtype=np.int64)
         if not len(ids):
             return
         with self.locked():
             pins = self.entries["pins"]
+            own = self.engine_pins[self._engine(engine)]
             wanted = np.bincount(ids, minlength=len(pins))[ids]
-            bad = (self.entries["generation"][ids] != gens) | (pins[ids] < wanted)
+            bad = (self.entries["generation"][ids] != gens) | (own[ids] < wanted)
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                raise ArenaError(f"unpin of entry {ids[i]} gen {gens[i]} that is not pinned")
+                raise ArenaError(f"unpin of entry {ids[i]} gen {gens[i]} that engine {engine} has not pinned")
             np.subtract.at(pins, ids, 1)
+            np.subtract.at(own, ids, 1)
             for entry_id in np.unique(ids[(pins[ids] == 0) & (self.entries["state"][ids] == RETIRED)]):
                 self._free(int(entry_id))
 
@@ -333,7 +351,7 @@ class FactArena(ArenaTables):
     def usage(self) -> dict[str, int]:
         states = self.entries["state"]
         pages_used = int((self.page_owner >= 0).sum())
-        resident = int(((self.page_device >= 0) & (self.page_owner >= 0)).sum())
+        resident = int(((self.page_device >= 0) & (self.page_owner >= 0)).sum())  # summed over the engines' HBM tiers
         return {
             "entries_live": int((states == LIVE).sum()),
             "entries_writing": int((states == WRITING).sum()),
@@ -341,13 +359,19 @@ class FactArena(ArenaTables):
             "pins": int(self.entries["pins"].sum()),  # held by requests in the engine now
             "pages_used": pages_used,
             "pages_total": self.geometry.num_pages,
-            "device_pages_resident": resident,  # also held in the worker's HBM tier
+            "device_pages_resident": resident,  # also held in an engine worker's HBM tier (counted per engine)
             "bytes_host": pages_used * self.page_bytes,  # the host tier holds every used page
             "bytes_device": resident * self.page_bytes,
         }
 
-    def publish_residency(self, pages: np.ndarray, slots: np.ndarray) -> None:
-        """Worker side: record the device slots (-1: host only) of `pages`."""
+    def publish_residency(self, pages: np.ndarray, slots: np.ndarray, engine: int = 0) -> None:
+        """Worker side: record the device slots (-1: host only) of `pages` in engine slot `engine`'s HBM tier."""
         if len(pages):
             with self.locked():
-                self.page_device[pages] = slots
+                self.page_device[self._engine(engine), pages] = slots
+
+    def forget_residency(self, engine: int) -> None:
+        """Worker side, at start: no page is resident in engine slot `engine`'s HBM tier (a previous
+        engine's tier died with it)."""
+        with self.locked():
+            self.page_device[self._engine(engine)] = -1

@@ -7,7 +7,13 @@ Layer 2 of the arena (kvarena.arena's docstring names all three). tables.bin hol
                 may adopt), pages
     page_owner  int32 per page: the owning entry, -1 when free
     token_ids   int32 per token slot: the token each slot holds KV for
-    page_device int32 per page: the engine worker's HBM-tier slot, -1 when host only
+    page_device int32 per engine slot and page: that engine worker's HBM-tier slot, -1 when host only
+    engine_pins int32 per engine slot and entry: the pins that engine's requests hold (their sum
+                is the entry's `pins`), so an engine's successor clears its own pins only
+
+Engine slots: several engines may serve one arena (a shard's replicas, each with its own engine);
+each is started with a slot number below MAX_ENGINES (connector.engine_config) and pins, unpins and
+publishes residency under it.
 
 ArenaTables maps them (numpy views of one memmap), owns the `lock` file (fcntl) and a thread
 lock, and has the record-level helpers the arena's operations share. No torch, no vLLM.
@@ -37,6 +43,7 @@ FREE, WRITING, LIVE, RETIRED = 0, 1, 2, 3
 TAG_BYTES = 16
 NO_TAG = np.void(bytes(TAG_BYTES))
 STATE_NAMES = {FREE: "free", WRITING: "writing", LIVE: "live", RETIRED: "retired"}
+MAX_ENGINES = 4  # engine slots of one arena: the most engines (replicas of one shard) that may serve it at once
 
 
 @dataclass(frozen=True)
@@ -89,8 +96,14 @@ def entry_dtype(max_pages: int) -> np.dtype:
 
 
 def table_sizes(g: ArenaGeometry) -> list[int]:
-    """Byte sizes of the tables in tables.bin: entries, page owners, token ids, page residency."""
-    return [g.max_entries * entry_dtype(g.max_pages_per_entry).itemsize, g.num_pages * 4, g.num_token_slots * 4, g.num_pages * 4]
+    """Byte sizes of the tables in tables.bin: entries, page owners, token ids, page residency, engine pins."""
+    return [
+        g.max_entries * entry_dtype(g.max_pages_per_entry).itemsize,
+        g.num_pages * 4,
+        g.num_token_slots * 4,
+        MAX_ENGINES * g.num_pages * 4,
+        MAX_ENGINES * g.max_entries * 4,
+    ]
 
 
 class ArenaTables:
@@ -113,8 +126,10 @@ class ArenaTables:
         offset += sizes[1]
         self.token_ids = np.ndarray((g.num_token_slots,), dtype=np.int32, buffer=self._tables, offset=offset)
         offset += sizes[2]
-        # device slot of each page in the engine worker's HBM tier, -1 when host only
-        self.page_device = np.ndarray((g.num_pages,), dtype=np.int32, buffer=self._tables, offset=offset)
+        # device slot of each page in each engine worker's HBM tier, -1 when host only
+        self.page_device = np.ndarray((MAX_ENGINES, g.num_pages), dtype=np.int32, buffer=self._tables, offset=offset)
+        offset += sizes[3]
+        self.engine_pins = np.ndarray((MAX_ENGINES, g.max_entries), dtype=np.int32, buffer=self._tables, offset=offset)
         self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         self._thread_lock = threading.Lock()  # flock does not exclude threads sharing the fd
 
@@ -133,6 +148,12 @@ class ArenaTables:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     # ------------------------------------------------------------------ record helpers
+    @staticmethod
+    def _engine(engine: int) -> int:
+        if not 0 <= engine < MAX_ENGINES:
+            raise ArenaError(f"engine slot {engine} is outside 0..{MAX_ENGINES - 1}")
+        return engine
+
     def _record(self, ref: EntryRef):
         if not 0 <= ref.entry_id < self.geometry.max_entries:
             raise ArenaError(f"unknown entry {ref.entry_id}")
@@ -146,7 +167,7 @@ class ArenaTables:
         pages = record["pages"][: record["n_pages"]].copy()
         self._erase_pages(pages)  # a freed entry keeps no trace of what it held (erasure)
         self.page_owner[pages] = -1
-        self.page_device[pages] = -1  # the worker's copy is stale now (it checks generations)
+        self.page_device[:, pages] = -1  # the workers' copies are stale now (they check generations)
         record["n_pages"] = 0
         record["n_tokens"] = 0
         record["tag"] = NO_TAG

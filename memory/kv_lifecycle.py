@@ -195,10 +195,10 @@ class FactKVLifecycle:
         return state
 
     # ------------------------------------------------------------------ encoding
-    def take_jobs(self, max_jobs: int, max_tokens: int | None = None) -> list[EncodeJob]:
-        """Allocate arena entries for queued facts and hand out their capture jobs: at most
-        `max_jobs`, and at most `max_tokens` prompt tokens in all (a batch the engine finishes
-        within its timeout; the first job is always taken, however long)."""
+    def take_jobs(self, max_jobs: int, max_tokens: int | None = None, engine_slot: int = 0) -> list[EncodeJob]:
+        """Allocate arena entries for queued facts and hand out their capture jobs to the engine in
+        `engine_slot`: at most `max_jobs`, and at most `max_tokens` prompt tokens in all (a batch
+        the engine finishes within its timeout; the first job is always taken, however long)."""
         self.expire_jobs()
         jobs: list[EncodeJob] = []
         batch_tokens = 0
@@ -225,7 +225,7 @@ class FactKVLifecycle:
                 continue
             salt = self.salt_of(state.user_id) if self.salt_of is not None and key != PREFIX_KEY else None
             job = EncodeJob(f"{key}:{state.version}:{ref.entry_id}:{ref.generation}", key, state.version, ref.entry_id,
-                            ref.generation, tokens, start, length, time.time(), salt)
+                            ref.generation, tokens, start, length, time.time(), salt, engine_slot)
             state.encoding = job
             self.in_flight[job.job_id] = job
             jobs.append(job)
@@ -326,6 +326,16 @@ class FactKVLifecycle:
         if state is None or state.encoding is None or state.encoding.job_id != job.job_id:
             return None
         return state
+
+    def release_jobs_of(self, engine_slot: int) -> int:
+        """The engine in `engine_slot` is new (its replica was replaced): the jobs its predecessor
+        took will never be reported back, so they are released and retried now, not after
+        encode_timeout_s. Returns how many."""
+        taken = [job_id for job_id, job in self.in_flight.items() if job.engine_slot == engine_slot]
+        if taken:
+            logger.warning("%s: %d encode jobs of the engine replaced in slot %d are retried", self.name, len(taken), engine_slot)
+            self.complete_jobs({job_id: None for job_id in taken})
+        return len(taken)
 
     def expire_jobs(self) -> None:
         """Jobs never reported back (their replica died mid-encode) are released and retried."""

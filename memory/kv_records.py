@@ -58,6 +58,7 @@ class EncodeJob:
     length: int
     issued_at: float = 0.0
     cache_salt: str | None = None  # the fact owner's prefix-cache scope (its window is their text)
+    engine_slot: int = 0  # the engine (of the shard's replicas) that took it
 
     def kv_transfer_params(self) -> dict[str, Any]:
         placement = EntryPlacement(entry=self.entry, generation=self.generation, start=self.start)

@@ -329,13 +329,19 @@ class MemoryShard:
         return plan
 
     # ================================================================== encoding
-    def take_encode_jobs(self, max_jobs: int | None = None) -> list[EncodeJob]:
-        """Allocate arena entries for queued facts and hand out their capture jobs (the encode
-        driver polls this, so an unsure user is repaired here too, even if they never come back)."""
+    def take_encode_jobs(self, max_jobs: int | None = None, engine_slot: int = 0) -> list[EncodeJob]:
+        """Allocate arena entries for queued facts and hand out their capture jobs to the engine in
+        `engine_slot` (the encode driver polls this, so an unsure user is repaired here too, even
+        if they never come back)."""
         if self.read_repair.unsure:
             self.read_repair.repair()
         self.retrieval.refresh()  # rebuild written users' keyword indexes here, off the chat path
-        return self.kv.take_jobs(max_jobs or self.settings.encode_batch, self.settings.encode_batch_tokens)
+        return self.kv.take_jobs(max_jobs or self.settings.encode_batch, self.settings.encode_batch_tokens, engine_slot)
+
+    def engine_started(self, engine_slot: int) -> int:
+        """A new engine serves this shard in `engine_slot` (a replica started or replaced): the encode
+        jobs its predecessor there took are retried now. Returns how many."""
+        return self.kv.release_jobs_of(engine_slot)
 
     def complete_encode_jobs(self, outcomes: dict[str, EncodeOutcome]) -> int:
         """Commit the captured entries (job id -> memory.kv_lifecycle.EncodeOutcome: True, False, a

@@ -34,11 +34,11 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
 
 
 def llm_deployments(*, settings: ServiceSettings) -> list[serve.Application]:
-    """One single-replica deployment per shard: the router needs to address each one."""
+    """One deployment per shard (the router addresses each), of llm_replicas_per_shard replicas."""
     return [
         LLMReplica.options(
             name=f"LLMReplica_{shard}",
-            num_replicas=1,
+            num_replicas=settings.llm_replicas_per_shard,
             max_ongoing_requests=settings.llm_replica_max_ongoing_requests,
             ray_actor_options={"num_cpus": settings.llm_replica_num_cpus, "num_gpus": settings.llm_replica_num_gpus},
         ).bind(settings, shard)

@@ -237,7 +237,17 @@ class ServiceSettings(BaseSettings):
         "400. None: only the context length bounds it. Small values keep engine work bounded (CPU fuzzing).",
     )
     llm_replicas: int = Field(
-        1, gt=0, description="Number of LLM replicas (one engine and one memory shard each); users are spread over them."
+        1, gt=0, description="Number of memory shards, each served by llm_replicas_per_shard LLM replicas; users are spread over them."
+    )
+    llm_replicas_per_shard: int = Field(
+        1,
+        ge=1,
+        le=4,
+        description="LLM replicas (each its own vLLM engine) serving one shard's users over the shard's one arena. With 2 "
+        "or more a crash of one replica's engine or process leaves its users served by the others while Serve replaces "
+        "it (a replica whose engine died then reports itself unhealthy at once instead of restarting the engine in "
+        "place); each costs an engine's memory (on a GPU the card's memory plan splits the card among them). At most 4 "
+        "(the arena's engine slots, kvarena.tables.MAX_ENGINES).",
     )
     routing: Literal["router", "direct"] = Field(
         "router",
@@ -313,6 +323,13 @@ class ServiceSettings(BaseSettings):
         gt=0,
         description="A memory shard actor that answers no health probe for this long while alive is killed and "
         "restarted by Ray (serve_app.replica.shard_watchdog); keep it above the longest index build.",
+    )
+    shard_orphan_timeout_s: float = Field(
+        600.0,
+        ge=0,
+        description="A memory shard actor outlives its LLM replicas (it is detached, so a replica's crash does not take the "
+        "shard's index and queue with it); it ends itself once no replica has called it for this long (the application "
+        "was deleted). 0: never.",
     )
     shard_num_gpus: float = Field(
         0.0,

@@ -295,3 +295,49 @@ def test_a_freed_entry_leaves_no_token_ids_or_kv_bytes_in_the_arena_files(arena:
     assert in_files(tokens(1000, 10), 1.5) == (True, True)  # the kept entry is whole
     view = arena.pin(kept.entry_id, kept.generation)
     assert arena.entry_token_ids(view).tolist() == tokens(1000, 10) and bool((arena.entry_kv(view) == 1.5).all())
+
+
+def test_engines_of_one_arena_pin_in_their_own_slots_and_a_successor_clears_only_its_own(arena: FactArena) -> None:
+    """Two engines serve one shard's arena (replicas of one shard): engine 0 dies with pins held;
+    its successor in slot 0 clears them, engine 1's pins stay, and the entry retired meanwhile is
+    freed only when engine 1 unpins it too."""
+    from connector.scheduler import KVMemoryScheduler
+
+    ref = arena.allocate(list(range(10)), 0)
+    arena.commit(ref)
+    pinned0, _ = arena.pin_columns(np.array([ref.entry_id, ref.entry_id]), np.array([ref.generation] * 2), engine=0)
+    pinned1, _ = arena.pin_columns(np.array([ref.entry_id]), np.array([ref.generation]), engine=1)
+    assert pinned0 is not None and pinned1 is not None and arena.usage()["pins"] == 3
+    with pytest.raises(ArenaError, match="engine 1 has not pinned"):  # an engine never drops another's pin
+        arena.unpin_columns(np.array([ref.entry_id] * 2), np.array([ref.generation] * 2), engine=1)
+    assert arena.release(ref) is False and arena.state_of(ref) == "retired"
+    KVMemoryScheduler(arena, block_size=8, engine_slot=0)  # engine 0's successor starts
+    assert arena.usage()["pins"] == 1 and arena.state_of(ref) == "retired"  # engine 1 still reads it
+    arena.unpin(ref.entry_id, ref.generation, engine=1)
+    assert arena.state_of(ref) == "free" and arena.usage()["pins"] == 0
+
+
+def test_each_engine_publishes_its_own_hbm_residency(arena: FactArena) -> None:
+    ref = arena.allocate(list(range(16)), 0)  # two pages
+    arena.commit(ref)
+    pages = np.array(arena.entries[ref.entry_id]["pages"][:2], dtype=np.int64)
+    arena.publish_residency(pages, np.array([0, 1], dtype=np.int32), engine=0)
+    arena.publish_residency(pages[:1], np.array([5], dtype=np.int32), engine=1)
+    assert arena.usage()["device_pages_resident"] == 3  # HBM held, counted per engine
+    arena.forget_residency(0)  # engine 0 restarted: its tier is empty
+    assert arena.usage()["device_pages_resident"] == 1
+    arena.release(ref)
+    assert arena.usage()["device_pages_resident"] == 0
+    with pytest.raises(ArenaError, match="engine slot"):
+        arena.publish_residency(pages, np.array([0, 1], dtype=np.int32), engine=4)
+
+
+def test_connector_config_is_checked_once_and_names_unknown_keys() -> None:
+    from connector.engine_config import ConnectorConfig
+
+    config = ConnectorConfig.from_extra_config({"arena_path": "/dev/shm/x", "device_pages": 4, "engine_slot": 1})
+    assert (config.device_pages, config.engine_slot, config.injector) == (4, 1, "auto")
+    with pytest.raises(ValueError, match="devce_pages"):
+        ConnectorConfig.from_extra_config({"arena_path": "/dev/shm/x", "devce_pages": 4})
+    with pytest.raises(ValueError, match="engine_slot"):
+        ConnectorConfig(arena_path="/dev/shm/x", engine_slot=9)

@@ -27,6 +27,12 @@ def test_a_redis_error_inside_the_shard_actor_leaves_it_as_store_unavailable() -
         import threading
 
         lock = threading.RLock()
+        busy = None
+
+        class lease:  # noqa: N801 - the shard's ShardLease
+            @staticmethod
+            def touch() -> None:
+                pass
 
         class store:  # noqa: N801 - the shard's FactStore, failing as a stopped Redis does
             @staticmethod

@@ -8,9 +8,11 @@ A request for its own shard runs in process; one for another shard (no header, o
 before the shard count changed) is forwarded through a handle to this deployment with the hint
 `shard:<n>`, which the router sends only to that shard's replica.
 
-The replica's shard is its Serve replica rank (0 .. llm_replicas - 1; a replacement replica takes
-the rank, and so the shard actor, of the one it replaces), published to the routers through
-Serve's record_replica_metadata hook.
+The deployment runs llm_replicas x llm_replicas_per_shard replicas. A replica's Serve rank r
+gives its shard (r mod llm_replicas) and its engine slot in that shard's arena (r div
+llm_replicas); a replacement replica takes the rank, and so the shard and the slot, of the one it
+replaces. The shard is published to the routers through Serve's record_replica_metadata hook;
+with several replicas per shard UserShardRouter sends a user's request to any of them.
 """
 
 from __future__ import annotations
@@ -77,10 +79,12 @@ class ReplicaIngress(Mem0Routes, CompletionRoutes, MemoryLLM):
 
     def __init__(self, settings: ServiceSettings) -> None:
         context = serve.get_replica_context()
-        shard = context.rank.rank
-        if shard >= settings.llm_replicas:
-            raise RuntimeError(f"replica rank {shard} has no shard (llm_replicas = {settings.llm_replicas})")
-        MemoryLLM.__init__(self, settings, shard)
+        rank, shards = context.rank.rank, settings.llm_replicas
+        if rank >= shards * settings.llm_replicas_per_shard:
+            raise RuntimeError(f"replica rank {rank} has no shard (llm_replicas x llm_replicas_per_shard = "
+                               f"{shards} x {settings.llm_replicas_per_shard})")
+        shard = rank % shards
+        MemoryLLM.__init__(self, settings, shard, engine_slot=rank // shards)
         self.num_shards = settings.llm_replicas
         self.ingress_name = f"shard-{shard}"
         self._init_routes(settings)
@@ -101,11 +105,11 @@ class ReplicaIngress(Mem0Routes, CompletionRoutes, MemoryLLM):
 
 
 def direct_deployment(*, settings: ServiceSettings) -> serve.Application:
-    """`llm_replicas` replicas of ReplicaIngress, routed by user (UserShardRouter)."""
+    """llm_replicas x llm_replicas_per_shard replicas of ReplicaIngress, routed by user (UserShardRouter)."""
     deployment = serve.deployment(health_check_period_s=2, health_check_timeout_s=30)(serve.ingress(api)(ReplicaIngress))
     return deployment.options(
         name="LLMReplica",
-        num_replicas=settings.llm_replicas,
+        num_replicas=settings.llm_replicas * settings.llm_replicas_per_shard,
         max_ongoing_requests=settings.llm_replica_max_ongoing_requests,
         request_router_config=RequestRouterConfig(request_router_class=UserShardRouter),
         ray_actor_options={"num_cpus": settings.llm_replica_num_cpus, "num_gpus": settings.llm_replica_num_gpus},

@@ -3,18 +3,18 @@
 Start-up (start_engine_and_shard): the replica starts (or finds) its MemoryShard actor and its
 vLLM engine. The engine only needs the shard's arena, which lives in shared memory and outlives
 both processes, so when the arena is already there (a restarted replica) the engine starts
-while the shard actor loads; on a first start it waits for the shard to create the arena. A
-shard actor shares its replica's fate (Ray kills an actor whose owner died), so a replica
-started right after its predecessor died may find that shard still registered and dying: it
-retries until the name is free.
+while the shard actor loads; on a first start it waits for the shard to create the arena. The
+shard actor is detached (actors.shard_actor): it outlives its replicas, and a replica finds it
+by name; one that is dying (killed) is waited out until the name is free, one started with
+other settings is replaced.
 
 EngineKeeper: when the engine core process dies (AsyncLLM.errored), the keeper builds a new
 engine in a worker thread (the event loop keeps serving health checks, memory reads and 503s
-meanwhile) and swaps it in; the new engine's connector clears the pins the dead one held. Its
-report says "ok", "restarting: …" or "dead: …"; `failure()` is what the replica's Serve
-check_health raises: set when the engine is dead and no restart is under way, or the restart
-ran past its timeout, or `max_restarts` restarts in a row failed. Serve then replaces the
-whole replica.
+meanwhile) and swaps it in; the new engine's connector clears the pins the dead one held in its
+engine slot. Its report says "ok", "restarting: …" or "dead: …"; `failure()` is what the
+replica's Serve check_health raises: set when the engine is dead and no restart is under way, or
+the restart ran past its timeout, or `max_restarts` restarts in a row failed, or at once when
+the shard has other replicas to serve its users. Serve then replaces the whole replica.
 """
 
 from __future__ import annotations
@@ -129,10 +129,14 @@ class EngineKeeper:
         since = time.monotonic() - self._dead_since if self._dead_since else 0.0
         return f"restarting: the engine core died {since:.0f} s ago; a new engine is starting"
 
-    def failure(self) -> str | None:
-        """Why the replica is unhealthy (what check_health raises), or None."""
+    def failure(self, siblings: bool = False) -> str | None:
+        """Why the replica is unhealthy (what check_health raises), or None. With `siblings` (other
+        replicas serve the same shard) a dead engine is a failure at once: Serve replaces the
+        replica while the siblings answer, sooner than an in-place restart here would."""
         if not engine_dead(self.engine):
             return None
+        if siblings:
+            return "dead: the engine core exited; the shard's other replicas serve its users while this one is replaced"
         restarting = self._restarting is not None and not self._restarting.done()
         if self._failed_restarts >= self.max_restarts:
             return f"dead: {self._failed_restarts} engine restarts failed, the last with {self._last_error}"
@@ -157,8 +161,10 @@ def _arena_ready(path: Path, geometry: Any) -> bool:
         arena.close()
 
 
-def _live_shard(start: Callable[[], Any], timeout_s: float) -> Any:
-    """The shard actor once it answers; a dying predecessor under the same name is waited out."""
+def _live_shard(start: Callable[[], Any], timeout_s: float, fingerprint: str | None = None) -> Any:
+    """The shard actor once it answers; a dying predecessor under the same name is waited out, and
+    one started with other settings (`fingerprint`: an earlier deployment's shard, which outlives
+    its replicas) is ended and started anew."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -166,13 +172,18 @@ def _live_shard(start: Callable[[], Any], timeout_s: float) -> Any:
     while True:
         actor = start()
         try:
-            ray.get(actor.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
-            return actor
+            found = ray.get(actor.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
         except RayActorError as exc:
             if time.monotonic() > deadline:
                 raise
             logger.warning("the shard actor found is gone (%s); starting a new one", type(exc).__name__)
             time.sleep(0.5)
+            continue
+        if fingerprint is None or found.get("fingerprint") == fingerprint:
+            return actor
+        logger.warning("the shard actor found was started with other settings; replacing it")
+        ray.kill(actor, no_restart=True)
+        time.sleep(0.5)
 
 
 def start_engine_and_shard(
@@ -181,26 +192,44 @@ def start_engine_and_shard(
     arena_path: Path,
     geometry: Any,
     timeout_s: float = 600.0,
+    fingerprint: str | None = None,
 ) -> tuple[Any, Any]:
     """(shard actor, engine): the engine starts beside the shard when the arena already exists,
     after it otherwise (the shard creates the arena)."""
     if not _arena_ready(arena_path, geometry):
-        actor = _live_shard(start_shard, timeout_s)  # the shard's first start loads its models
+        actor = _live_shard(start_shard, timeout_s, fingerprint)  # the shard's first start loads its models
         return actor, build_engine(str(arena_path))
     with ThreadPoolExecutor(1, thread_name_prefix="engine-start") as pool:
         engine = pool.submit(build_engine, str(arena_path))
         try:
-            actor = _live_shard(start_shard, timeout_s)
+            actor = _live_shard(start_shard, timeout_s, fingerprint)
         except BaseException:
             engine.result().shutdown()  # no half-started replica keeps an engine core running
             raise
         return actor, engine.result()
 
 
-def start_backends(settings: "ServiceSettings", shard_id: int, model: str, kv_dtype: str) -> tuple[Any, EngineKeeper]:
-    """(shard actor, EngineKeeper over the engine) of replica `shard_id`: the shard encodes into
-    the engine's context (encode_context_tokens = max_model_len)."""
-    from actors.shard_actor import start_shard_actor
+def _retry_predecessors_jobs(actor: Any, engine_slot: int) -> None:
+    """The encode jobs the engine that held this slot before took (its replica died mid-encode) are
+    retried now rather than after memory.encode_timeout_s (MemoryShard.engine_started)."""
+    import ray
+
+    try:
+        retried = ray.get(actor.engine_started.remote(engine_slot), timeout=30)
+    except Exception as exc:  # noqa: BLE001 - they are retried after their timeout anyway
+        logger.warning("could not release the encode jobs of engine slot %d's predecessor: %s", engine_slot, exc)
+        return
+    if retried:
+        logger.warning("retried %d encode jobs left by engine slot %d's predecessor", retried, engine_slot)
+
+
+def start_backends(
+    settings: "ServiceSettings", shard_id: int, model: str, kv_dtype: str, engine_slot: int = 0
+) -> tuple[Any, EngineKeeper]:
+    """(shard actor, EngineKeeper over the engine) of a replica of shard `shard_id` whose engine
+    pins under `engine_slot` in the shard's arena: the shard encodes into the engine's context
+    (encode_context_tokens = max_model_len)."""
+    from actors.shard_actor import shard_fingerprint, start_shard_actor
     from connector.engine_config import kv_transfer_config
     from kvarena.arena import arena_geometry_for
     from serve_app.replica.engine import build_async_engine
@@ -209,19 +238,21 @@ def start_backends(settings: "ServiceSettings", shard_id: int, model: str, kv_dt
     arena_path = memory.arena_path(settings.namespace, shard_id)
 
     def build_engine(path: str = str(arena_path)) -> Any:
-        connector = kv_transfer_config(path, device_pages=memory.arena.device_pages)
+        connector = kv_transfer_config(path, device_pages=memory.arena.device_pages, engine_slot=engine_slot)
         # encodes run below chats (priority scheduling)
         return build_async_engine(settings.engine, model, kv_transfer_config=connector, scheduling_policy="priority")
 
     actor, engine = start_engine_and_shard(
         lambda: start_shard_actor(
             shard_id, memory, model, kv_dtype, settings.redis_url, settings.namespace, settings.shard_num_gpus,
-            redis_password=settings.redis_password_value(),
+            redis_password=settings.redis_password_value(), orphan_timeout_s=settings.shard_orphan_timeout_s,
         ),
         build_engine,
         arena_path,
         arena_geometry_for(model, kv_dtype, **memory.arena.model_dump(exclude={"device_pages"})),
+        fingerprint=shard_fingerprint(memory, model, kv_dtype, settings.redis_url, settings.namespace),
     )
+    _retry_predecessors_jobs(actor, engine_slot)
     keeper = EngineKeeper(engine, build_engine, settings.engine_restart_timeout_s, settings.engine_max_restarts,
                           log_stats_interval_s=settings.engine.log_stats_interval_s)
     return actor, keeper

@@ -21,7 +21,6 @@ from typing import Any, AsyncIterator, Iterator
 
 from jinja2 import TemplateError
 from ray import serve
-from ray.serve.metrics import Counter, Gauge, Histogram
 
 from actors.plan_channel import PlanClient, plan_channel_address
 from actors.shard_client import ShardClient
@@ -38,13 +37,14 @@ from serve_app.replica.engine import resolve_dtype
 from serve_app.replica.extraction import extract_facts
 from serve_app.replica.lifecycle import start_backends
 from serve_app.replica.limits import TokenLimits
+from serve_app.replica.metrics import ReplicaMetrics
 from serve_app.replica.reconciliation import reconcile_and_add
 from serve_app.replica.sampling import refusals_as_rejections, sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
 from serve_app.replica.text_completions import TextCompletions
 from serve_app.replica.shard_watchdog import ShardWatchdog
 from serve_app.settings import ServiceSettings
-from serve_app.stage_timings import StageClock, count_positive as _count, stage_histogram
+from serve_app.stage_timings import StageClock, count_positive as _count
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,6 @@ logger = logging.getLogger(__name__)
 INLINE_TEMPLATE_CHARS = 2000
 
 logging.getLogger("ray.serve").addFilter(RefusalsAreNotFailures())  # a 4xx is no failed request to log
-
-_TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 
 
 @contextlib.contextmanager
@@ -71,46 +69,33 @@ class MemoryLLM(TextCompletions):
     """One vLLM engine with its memory shard: the replica's work, whichever deployment runs it
     (LLMReplica below, behind the ChatAPI router; or serve_app.replica.direct_ingress.ReplicaIngress)."""
 
-    def __init__(self, settings: ServiceSettings, shard_id: int = 0) -> None:
+    def __init__(self, settings: ServiceSettings, shard_id: int = 0, engine_slot: int | None = None) -> None:
         from transformers import AutoTokenizer  # the process boundary: module docstring
 
         self.settings = settings
         self.shard_id = shard_id
+        # this replica's engine's pin slot in the shard's arena: its rank among the shard's replicas
+        self.engine_slot = serve.get_replica_context().rank.rank if engine_slot is None else engine_slot
         model = settings.resolved_model()
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.layout = PromptLayout(self.tokenizer, settings.memory.instruction, settings.memory.window_bridge, settings.memory.memory_closing)
         self.limits = TokenLimits(self.layout, settings)  # token bounds, checked before anything is stored or run
         kv_dtype = resolve_dtype(settings.engine)  # the shard's arena holds KV of the dtype engine_kwargs gives vLLM
-        actor, self.keeper = start_backends(settings, shard_id, model, kv_dtype)
+        actor, self.keeper = start_backends(settings, shard_id, model, kv_dtype, self.engine_slot)
         self.keeper.on_swap = lambda engine: setattr(self.driver, "engine", engine)
-        self.shard = ShardClient(actor, timeout_s=settings.shard_call_timeout_s, plan_channel=self._plan_channel(settings, shard_id))
+        self.shard = ShardClient(
+            actor, timeout_s=settings.shard_call_timeout_s, plan_channel=self._plan_channel(settings, shard_id), engine_slot=self.engine_slot
+        )
         self.watchdog = ShardWatchdog(self.shard, settings.health_timeout_s, settings.shard_restart_after_s)
         self._driver_task: asyncio.Task | None = None
         self._stats_exported_at = 0.0
         self._last_stats: dict[str, Any] | None = None  # the shard's last statistics (stats() when it is busy)
         self._stats_at = 0.0
 
-        self.ttft = Histogram("kvmem_ttft_seconds", description="Engine time to first token.", boundaries=_TTFT_BOUNDARIES_S, tag_keys=("mode",))
-        self.stage_seconds = stage_histogram()
-        self.requests = Counter("kvmem_requests_total", description="Chat and text-completion requests by outcome.", tag_keys=("outcome",))
-        self.generated_tokens = Counter("kvmem_generated_tokens_total", description="Tokens generated.")
-        self.injected_tokens = Counter("kvmem_injected_tokens_total", description="Prompt tokens supplied by KV injection.")
-        self.facts_encoded = Counter("kvmem_facts_encoded_total", description="Fact KV entries captured.")
-        self.encode_seconds = Counter("kvmem_encode_seconds_total", description="Engine time spent encoding facts.")
-        self.arena_bytes = Gauge("kvmem_arena_bytes", description="Fact KV bytes held, by tier.", tag_keys=("tier", "shard"))
-        self.facts_gauge = Gauge("kvmem_facts", description="Facts held by the shard.", tag_keys=("shard",))
-        self.shard_restarts = Counter("kvmem_shard_restarts_total", description="Shard actors restarted for not answering.")
-        self.pending_gauge = Gauge("kvmem_pending_encodes", description="Facts waiting for their KV.", tag_keys=("shard",))
-        self.facts_with_kv_gauge = Gauge("kvmem_facts_with_kv", description="Facts whose KV is live.", tag_keys=("shard",))
-        self.redis_memory_ratio = Gauge("kvmem_redis_memory_used_ratio", description="Redis used_memory / maxmemory (writes refused at 1).")
-        self.evictions_gauge = Gauge("kvmem_kv_evictions", description="Fact KV entries evicted for room since the shard started.", tag_keys=("shard",))
-
-        def on_batch(live: int, seconds: float) -> None:
-            _count(self.facts_encoded, live)
-            _count(self.encode_seconds, seconds)
-
+        self.metrics = ReplicaMetrics()
+        self.stage_seconds = self.metrics.stage_seconds  # shared with the routes' stages (routing: direct)
         self.chats_running = ChatsRunning()  # the chats being served, which the encoder yields to
-        self.driver = EncodeDriver.for_memory(self.shard, self.engine, settings.memory, on_batch, self.chats_running)
+        self.driver = EncodeDriver.for_memory(self.shard, self.engine, settings.memory, self.metrics.encoded, self.chats_running)
 
     @staticmethod
     def _plan_channel(settings: ServiceSettings, shard_id: int) -> Any:
@@ -184,7 +169,7 @@ class MemoryLLM(TextCompletions):
                 prompt_ids, plan, params = await self._prepare(request, clock)
             clock.record("prepare", clock.started)
         except (RequestRejected, NotFound):
-            self.requests.inc(tags={"outcome": "rejected"})
+            self.metrics.requests.inc(tags={"outcome": "rejected"})
             raise
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         if plan is not None and plan.cache_salt:
@@ -203,17 +188,17 @@ class MemoryLLM(TextCompletions):
                 if first_token_at is None and output.outputs and output.outputs[0].token_ids:
                     first_token_at = clock.record("engine_ttft", start)
                     clock.record("replica_ttft", clock.started)
-                    self.ttft.observe(first_token_at - start, tags={"mode": mode})
+                    self.metrics.ttft.observe(first_token_at - start, tags={"mode": mode})
                     clock.observe(self.stage_seconds)
                     timings = clock.rounded()
                 final = output
                 generated.update(output)
                 yield output, prompt_ids, plan, timings if timings is not None else clock.rounded()
         assert final is not None, "engine returned no output"
-        self.requests.inc(tags={"outcome": "ok"})
-        _count(self.generated_tokens, generated.generated_tokens())
+        self.metrics.requests.inc(tags={"outcome": "ok"})
+        _count(self.metrics.generated_tokens, generated.generated_tokens())
         if plan is not None:
-            _count(self.injected_tokens, plan.injected_tokens)
+            _count(self.metrics.injected_tokens, plan.injected_tokens)
 
     async def chat(self, request: ChatCompletionRequest, cache_scope: str | None = None) -> ChatCompletionResponse:
         final = prompt_ids = plan = timings = None
@@ -337,36 +322,26 @@ class MemoryLLM(TextCompletions):
                       "unavailable": f"{type(exc).__name__}: {exc}"[:300] or "no answer within status_timeout_s"}
         else:
             self._remember_stats(result)
-        channel = self.shard.plan_channel
-        # how this replica's chat plans travel: the shard's plan channel, and how many fell back to Ray
-        return {**result, "plan_channel": channel.address if channel else None, "plans_over_ray": self.shard.plans_over_ray}
+        channel = self.shard.plan_channel  # how this replica's chat plans travel (None: through Ray)
+        return {**result, "plan_channel": channel.address if channel else None, "engine_slot": self.engine_slot}
 
     def _remember_stats(self, stats: dict[str, Any]) -> None:
         self._last_stats, self._stats_at = stats, time.monotonic()
-        self._export_stats(stats)
-
-    def _export_stats(self, stats: dict[str, Any]) -> None:
-        shard = str(self.shard_id)
-        self.arena_bytes.set(stats["host_bytes_used"], tags={"tier": "host", "shard": shard})
-        self.arena_bytes.set(stats["device_bytes_used"], tags={"tier": "device", "shard": shard})
-        self.facts_gauge.set(stats["facts"], tags={"shard": shard})
-        self.pending_gauge.set(stats["pending_encodes"], tags={"shard": shard})
-        self.facts_with_kv_gauge.set(stats["facts_with_kv"], tags={"shard": shard})
-        self.evictions_gauge.set(stats["kv_evictions_total"], tags={"shard": shard})
-        if stats.get("redis_memory", {}).get("fraction") is not None:
-            self.redis_memory_ratio.set(stats["redis_memory"]["fraction"])
+        self.metrics.export_shard_stats(stats, self.shard_id)
 
     async def check_health(self) -> None:
         """Serve's probe: fails when the engine is dead and not coming back in place
-        (serve_app.replica.lifecycle.EngineKeeper.failure), so Serve replaces the replica. It also
-        probes the shard (serve_app.replica.shard_watchdog restarts one that stopped answering)."""
+        (serve_app.replica.lifecycle.EngineKeeper.failure), or at once when it died and the shard has
+        other replicas (llm_replicas_per_shard > 1: they serve its users while Serve replaces this
+        one), so Serve replaces the replica. It also probes the shard (serve_app.replica.shard_watchdog
+        restarts one that is wedged)."""
         self._ensure_driver()
-        failure = self.keeper.failure()
+        failure = self.keeper.failure(siblings=self.settings.llm_replicas_per_shard > 1)
         if failure is not None:
             raise RuntimeError(f"engine {failure}")
         restarts = self.watchdog.restarts
         await self.watchdog.probe()
-        _count(self.shard_restarts, self.watchdog.restarts - restarts)
+        _count(self.metrics.shard_restarts, self.watchdog.restarts - restarts)
         if time.monotonic() - self._stats_exported_at > 10:  # metrics, not health: at most every 10 s
             self._stats_exported_at = time.monotonic()
             try:

@@ -1,16 +1,18 @@
-"""ShardWatchdog: restarts a memory shard actor that is alive but has stopped answering.
+"""ShardWatchdog: restarts a memory shard actor that is alive but wedged.
 
 Ray restarts a shard actor whose process dies (max_restarts=-1), but not one that stays up and
-answers nothing. That happened on the H200 after Locust runs: every call of the replica waited
+does nothing. That happened on the H200 after Locust runs: every call of the replica waited
 behind a cancelled one (fixed by actors/shard_actor.SHARD_ACTOR_OPTIONS); this is the net for
 whatever else wedges a shard. The replica's Serve health check (every 2 s) probes the shard
-through this watchdog; when a shard that has answered before has answered no probe for
-`restart_after_s`, the watchdog kills the actor with restart allowed, so Ray starts it again and
-the new shard rebuilds its users from Redis and adopts the arena's live entries (as after a
-crash, see tests/test_faults.py). A shard that has not answered since it (re)started is still
-loading, however long that takes, and is never killed for it; a probe that fails fast (the actor
-restarting, or dead) is left to Ray. `restart_after_s` stays well above the longest call a shard
-makes (an index build), since a busy shard answers nothing either.
+through this watchdog. The probe runs in the shard's own probe group without its lock
+(actors.shard_actor.ShardHealth), so it answers even while a call holds the shard, and says which
+call and for how long. The watchdog kills the actor with restart allowed (Ray starts it again;
+the new shard rebuilds its users from Redis and adopts the arena's live entries, as after a
+crash, see tests/test_faults.py) when one call has held the shard for `restart_after_s`, or when
+a shard that has answered before answers no probe at all for that long (its process is stuck).
+A shard that has not answered since it (re)started is still loading, however long that takes,
+and is never killed for it; a probe that fails fast (the actor restarting, or dead) is left to
+Ray. `restart_after_s` stays well above the longest call a shard makes (an index build).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+from actors.shard_calls import ShardHealth
 from actors.shard_client import ShardClient, ShardTimeout
 
 logger = logging.getLogger(__name__)
@@ -66,19 +69,26 @@ class ShardWatchdog:
 
     async def _probe(self) -> str:
         try:
-            state = await self.client.health(timeout_s=self.probe_timeout_s)
+            health: ShardHealth = await self.client.health(timeout_s=self.probe_timeout_s)
         except ShardTimeout as exc:
             if not self.answered or self.silent_s < self.restart_after_s:
                 return f"unavailable: {exc}"
-            logger.error("memory shard answered nothing for %.0f s: restarting it", self.silent_s)
-            kill_for_restart(self.client.actor)
-            self.restarts += 1
-            self.last_answer = time.monotonic()
-            self.answered = False  # loading again: left alone until it answers
-            return f"restarted after {self.restart_after_s:.0f} s without an answer"
+            return self._restart(f"answered nothing for {self.silent_s:.0f} s")
         except Exception as exc:  # noqa: BLE001 - dead or restarting: Ray brings it back
             self.last_answer = time.monotonic()
             return f"unavailable: {type(exc).__name__}: {exc}"[:300]
         self.last_answer = time.monotonic()
         self.answered = True
-        return state
+        if health.busy_s > self.restart_after_s:
+            return self._restart(f"{health.busy_with} has held it for {health.busy_s:.0f} s")
+        if health.busy_s > self.probe_timeout_s:
+            return f"{health.status} (busy: {health.busy_with} for {health.busy_s:.0f} s)"
+        return health.status
+
+    def _restart(self, why: str) -> str:
+        logger.error("memory shard wedged (%s): restarting it", why)
+        kill_for_restart(self.client.actor)
+        self.restarts += 1
+        self.last_answer = time.monotonic()
+        self.answered = False  # loading again: left alone until it answers
+        return f"restarted: {why}"

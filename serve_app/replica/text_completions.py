@@ -30,8 +30,7 @@ class TextCompletions:
     limits: Any
     settings: Any
     chats_running: Any
-    requests: Any
-    generated_tokens: Any
+    metrics: Any  # serve_app.replica.metrics.ReplicaMetrics
 
     async def _completion_outputs(self, request: CompletionRequest, cache_scope: str | None) -> AsyncIterator[tuple[Any, int]]:
         """(engine output, prompt tokens) as the engine produces them (cumulative outputs)."""
@@ -55,8 +54,8 @@ class TextCompletions:
             async for output in self.engine.generate(prompt, params, request_id=f"cmpl-{uuid.uuid4().hex}", priority=CHAT_PRIORITY):
                 generated.update(output)
                 yield output, len(prompt_ids)
-        self.requests.inc(tags={"outcome": "ok"})
-        count_positive(self.generated_tokens, generated.generated_tokens())
+        self.metrics.requests.inc(tags={"outcome": "ok"})
+        count_positive(self.metrics.generated_tokens, generated.generated_tokens())
 
     async def complete(self, request: CompletionRequest, cache_scope: str | None = None) -> CompletionResponse:
         choices, final, prompt_tokens = Choices(), None, 0
