@@ -65,8 +65,8 @@ SHARD_ACTOR_OPTIONS: dict[str, Any] = {
     "allow_out_of_order_execution": True,
     "num_cpus": 0,
     "lifetime": "detached",
-    "concurrency_groups": {PROBE_GROUP: 1},
 }
+SHARD_ACTOR_GROUPS: dict[str, int] = {PROBE_GROUP: 1}  # concurrency groups: set by ray.remote(), not .options()
 
 UNLOCKED = frozenset({"health", "ready"})  # answered at once, outside the lock (module docstring)
 
@@ -119,6 +119,15 @@ def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
             finally:
                 self.busy = outer
 
+    # Ray checks a call's arguments in the caller against the signature of the function it finds
+    # by unwrapping (inspect.unwrap): no __wrapped__, and a signature that says call_deadline
+    del locked.__wrapped__  # type: ignore[attr-defined]
+    locked.shard_method = method  # type: ignore[attr-defined]
+    signature = inspect.signature(method)
+    deadline = inspect.Parameter("call_deadline", inspect.Parameter.KEYWORD_ONLY, default=None)
+    params = list(signature.parameters.values())
+    at = next((i for i, p in enumerate(params) if p.kind == p.VAR_KEYWORD), len(params))
+    locked.__signature__ = signature.replace(parameters=params[:at] + [deadline] + params[at:])  # type: ignore[attr-defined]
     return locked
 
 
@@ -206,7 +215,7 @@ def start_shard_actor(
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    actor = ray.remote(ShardActor).options(
+    actor = ray.remote(concurrency_groups=SHARD_ACTOR_GROUPS)(ShardActor).options(
         name=shard_actor_name(namespace, shard_id),
         get_if_exists=True,
         **SHARD_ACTOR_OPTIONS,

@@ -223,9 +223,9 @@ def test_every_public_shard_method_but_the_probes_runs_under_the_lock() -> None:
     assert "plan_chat" in public and "add_facts" in public and UNLOCKED == {"health", "ready"}
     for name in public:
         if name in UNLOCKED:
-            assert not hasattr(getattr(ShardActor, name), "__wrapped__"), name
+            assert not hasattr(getattr(ShardActor, name), "shard_method"), name
         else:
-            assert getattr(ShardActor, name).__wrapped__.__qualname__ in (f"MemoryShard.{name}", f"ShardActor.{name}"), name
+            assert getattr(ShardActor, name).shard_method.__qualname__ in (f"MemoryShard.{name}", f"ShardActor.{name}"), name
 
 
 @pytest.mark.slow

@@ -68,3 +68,60 @@ def test_cancelled_requests_never_wedge_the_shard(ray_session) -> None:
             assert ray.get(replica.health.remote(), timeout=10) == "pong"
         except ray.exceptions.GetTimeoutError:
             pytest.fail(f"the shard stopped answering after round {round_index}")
+
+
+class SlowShard:
+    """The shard actor's own lock wrapper (actors.shard_actor._one_at_a_time) over two calls the
+    replica makes: a long `stats` holds the shard while later `search` calls pile up behind it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from actors.shard_actor import ShardLease
+
+        self.lock, self.busy, self.shed_calls, self.searched = threading.RLock(), None, 0, 0
+        self.lease = ShardLease(0.0, lambda: None)
+
+    def stats(self) -> dict:
+        time.sleep(2.0)
+        return {}
+
+    def search(self, user_id: str, query: str, k: int) -> list:
+        self.searched += 1
+        return []
+
+    def searches(self) -> tuple[int, int]:
+        return self.searched, self.shed_calls
+
+
+def test_calls_whose_callers_gave_up_are_never_run(ray_session) -> None:
+    """Issue 34: a busy or restarting shard must not work through a backlog nobody waits for. Ten
+    searches time out behind a 2 s call; none of them runs afterwards (cancelled in Ray, or shed by
+    their deadline at the lock), and the next search runs as usual."""
+    import asyncio
+
+    import ray
+
+    from actors.shard_actor import _one_at_a_time
+    from actors.shard_client import ShardClient, ShardTimeout
+
+    wrapped = type("WrappedSlowShard", (SlowShard,), {n: _one_at_a_time(getattr(SlowShard, n)) for n in ("stats", "search", "searches")})
+    from actors.shard_actor import SHARD_ACTOR_GROUPS
+
+    options = {k: v for k, v in SHARD_ACTOR_OPTIONS.items() if k != "lifetime"}  # ends with the test's Ray
+    shard = ray.remote(concurrency_groups=SHARD_ACTOR_GROUPS)(wrapped).options(**options).remote()
+    client = ShardClient(shard, timeout_s=0.3)
+
+    async def run() -> tuple[int, int]:
+        busy = asyncio.ensure_future(ShardClient(shard, timeout_s=30).stats())
+        await asyncio.sleep(0.3)
+        for _ in range(10):
+            with pytest.raises(ShardTimeout):
+                await client.search("u", "q", 5)
+        await busy
+        await asyncio.sleep(0.5)
+        await ShardClient(shard, timeout_s=30).search("u", "q", 5)
+        return await shard.searches.remote()
+
+    searched, shed = asyncio.run(run())
+    assert searched == 1, (searched, shed)  # only the last one; the ten were cancelled or shed

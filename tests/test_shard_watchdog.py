@@ -21,7 +21,8 @@ from serve_app.replica.shard_watchdog import ShardWatchdog
 
 pytestmark = pytest.mark.slow
 
-OPTIONS = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": 0, "concurrency_groups": {PROBE_GROUP: 1}}
+OPTIONS = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": 0}
+GROUPS = {PROBE_GROUP: 1}  # the shard actor's probe group
 
 
 class Wedgeable:
@@ -62,7 +63,7 @@ def ray_session():
 def test_a_shard_wedged_in_one_call_is_restarted_and_a_live_one_is_not(ray_session) -> None:
     import ray
 
-    actor = ray.remote(Wedgeable).options(**OPTIONS).remote()
+    actor = ray.remote(concurrency_groups=GROUPS)(Wedgeable).options(**OPTIONS).remote()
     watchdog = ShardWatchdog(ShardClient(actor, timeout_s=30), probe_timeout_s=0.5, restart_after_s=3.0)
 
     async def run() -> None:
@@ -92,10 +93,11 @@ def test_a_shard_wedged_in_one_call_is_restarted_and_a_live_one_is_not(ray_sessi
 def test_a_shard_stuck_whole_is_restarted_after_its_silence(ray_session) -> None:
     import ray
 
-    actor = ray.remote(Wedgeable).options(**OPTIONS).remote()
+    actor = ray.remote(concurrency_groups=GROUPS)(Wedgeable).options(**OPTIONS).remote()
     watchdog = ShardWatchdog(ShardClient(actor, timeout_s=30), probe_timeout_s=0.3, restart_after_s=2.0)
 
     async def run() -> list[str]:
+        await actor.pid.remote()  # started
         assert await watchdog.probe() == "ok"
         await actor.freeze.remote()
         states = []
@@ -111,7 +113,7 @@ def test_a_shard_stuck_whole_is_restarted_after_its_silence(ray_session) -> None
 def test_a_shard_that_never_answered_is_left_loading(ray_session) -> None:
     import ray
 
-    actor = ray.remote(Wedgeable).options(**OPTIONS).remote(load_s=3600)  # loading from the first call on
+    actor = ray.remote(concurrency_groups=GROUPS)(Wedgeable).options(**OPTIONS).remote(load_s=3600)  # loading from the first call on
     watchdog = ShardWatchdog(ShardClient(actor, timeout_s=30), probe_timeout_s=0.3, restart_after_s=1.0)
 
     async def run() -> list[str]:

@@ -41,7 +41,7 @@ def test_a_redis_error_inside_the_shard_actor_leaves_it_as_store_unavailable() -
 
     with pytest.raises(StoreUnavailable, match="memory store \\(Redis\\) unavailable: ConnectionError"):
         ShardActor.history(Stub(), "f1", "alice")
-    assert ShardActor.history.__wrapped__ is MemoryShard.history
+    assert ShardActor.history.shard_method is MemoryShard.history
 
 
 @pytest.mark.parametrize(

