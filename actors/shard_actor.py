@@ -96,7 +96,7 @@ class ShardLease:
                 return
 
 
-def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
+def shard_call(method: Callable[..., Any]) -> Callable[..., Any]:
     """The method under the shard's lock, shed when its caller's deadline has passed; a Redis error
     leaves the actor as StoreUnavailable, which the ingress answers 503 with Retry-After (the
     caller need not know redis-py's exceptions), or as StoreFull when Redis refused a write for
@@ -187,7 +187,7 @@ class ShardActor(MemoryShard):
 # having to remember it.
 for _name, _method in inspect.getmembers(MemoryShard, inspect.isfunction):
     if not _name.startswith("_") and _name not in UNLOCKED:
-        setattr(ShardActor, _name, _one_at_a_time(vars(ShardActor).get(_name, _method)))
+        setattr(ShardActor, _name, shard_call(vars(ShardActor).get(_name, _method)))
 
 
 def shard_actor_name(namespace: str, shard_id: int) -> str:

@@ -25,10 +25,11 @@ import pytest
 import requests
 
 from devtools.local_redis import LocalRedis
-from kvarena.arena import LIVE, FactArena
+from kvarena.arena import FactArena
 from memory.fact_store import FactStore
 from memory.records import NewFact, Turn
 from memory.kv_lifecycle import entry_tag
+from tests.fault_checks import NAMESPACE, check_nothing_lost_or_leaked, items, settled, shard_pid_and_arena
 from tests.fault_load import Load, ask, post_json
 from memory.chat_query import ChatQuery
 
@@ -41,7 +42,6 @@ pytestmark = pytest.mark.slow
 # checks the target itself). Each test prints the seconds it measured.
 RECOVERY_S = float(os.environ.get("KVMEM_FAULT_RECOVERY_S", "240"))
 CONTEXT = 1024
-NAMESPACE = "faults"
 REDIS_PREFIX = f"kvmem-{NAMESPACE}"  # the key prefix tests.serve_harness gives this service
 
 
@@ -66,9 +66,9 @@ def service(fault_redis: LocalRedis, smollm2_dir):
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     with running_service(fault_redis.url, smollm2_dir, NAMESPACE, **overrides) as url:
-        seed = [f"The seed user's item number {i} is a {c} {t}." for i, (c, t) in enumerate(_items(20))]
+        seed = [f"The seed user's item number {i} is a {c} {t}." for i, (c, t) in enumerate(items(20))]
         assert post_json(url, "/v1/memories", {"user_id": "seed", "facts": seed})[0] == 200
-        _settled(url)
+        settled(url)
         yield url
     if bind is None:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
@@ -76,51 +76,10 @@ def service(fault_redis: LocalRedis, smollm2_dir):
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
 
 
-def _items(n: int) -> list[tuple[str, str]]:
-    colours, things = ["red", "blue", "green", "grey", "pink"], ["kite", "lamp", "drum", "boat", "vase", "sock"]
-    return [(colours[i % 5], things[i % 6]) for i in range(n)]
-
-
-def _shard_stats(url: str) -> dict:
-    (stats,) = requests.get(url + "/v1/shards", timeout=30).json()["results"]
-    return stats
-
-
-def _settled(url: str, within_s: float = 240.0) -> dict:
-    """The shard's stats once nothing waits for its KV (the service must get there in time)."""
-    deadline, last = time.monotonic() + within_s, None
-    while time.monotonic() < deadline:
-        try:
-            last = _shard_stats(url)
-            if last["pending_encodes"] == 0:
-                return last
-        except (requests.RequestException, KeyError, ValueError):
-            pass
-        time.sleep(1)
-    raise AssertionError(f"encodes still pending after {within_s:.0f} s: {last}")
-
-
 # ---------------------------------------------------------------------------------- processes
-def _shard_actor():
-    import ray
-
-    from actors.shard_actor import shard_actor_name
-
-    name = shard_actor_name(NAMESPACE, 0)
-    (found,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
-    return ray.get_actor(name, namespace=found["namespace"])
-
-
-def _shard_pid_and_arena() -> tuple[int, str]:
-    import ray
-
-    ready = ray.get(_shard_actor().ready.remote(), timeout=120)
-    return ready["pid"], ready["arena"]
-
-
 def _replica_process() -> psutil.Process:
     """This cluster's LLM replica: a child of the raylet that also runs the shard actor."""
-    raylet = psutil.Process(psutil.Process(_shard_pid_and_arena()[0]).ppid())
+    raylet = psutil.Process(psutil.Process(shard_pid_and_arena()[0]).ppid())
     (replica,) = [p for p in raylet.children() if "ServeReplica:kvmem:LLMReplica_0" in " ".join(p.cmdline())]
     return replica
 
@@ -148,41 +107,8 @@ def _recovery_s(url: str, killed_at: float, budget_s: float = 240.0) -> float:
     raise AssertionError(f"no chat answered within {budget_s:.0f} s of the kill")
 
 
-def _check_nothing_lost_or_leaked(url: str, load: Load) -> None:
-    load.check_no_request_hung()
-    stats = _settled(url)
-    for user, ids in load.acked.items():
-        records = requests.get(url + "/v1/memories", params={"user_id": user}, timeout=30).json()["results"]
-        assert ids <= {r["id"] for r in records}, f"acknowledged facts of {user} lost"
-        # every acknowledged fact's KV is live, or was evicted for room (the module's loads together
-        # can fill the arena's 512 entries on a fast machine); never failed, never stuck encoding.
-        # An add whose Redis write landed but whose reply was lost to the crash was not acknowledged,
-        # but its record is Redis's: the shard took it over (memory.read_repair), never "unknown".
-        assert not [r["id"] for r in records if r["kv"] == "unknown"], records
-        kv = [(r["id"], r["kv"], r["kv_error"]) for r in records if r["id"] in ids]
-        assert {state for _, state, _ in kv} <= {"live", "evicted"} and "live" in {state for _, state, _ in kv}, kv
-        status, answer = ask(url, user, "Which box holds item 1?", top_k=50)
-        assert status == 200 and ids <= set(answer["memory"]["fact_ids"])  # answered from every one of them
-        assert answer["memory"]["cached_tokens"] >= answer["memory"]["injected_tokens"] > 0
-    stats = _settled(url)  # a chat re-encodes the evicted facts it used (evicting others): wait for that too
-    arena = FactArena.open(_shard_pid_and_arena()[1])
-    try:
-        usage = arena.usage()
-        assert (usage["pins"], usage["entries_writing"], usage["entries_retired"]) == (0, 0, 0), usage
-        assert usage["entries_live"] == stats["facts_with_kv"] + 1  # every fact with KV and the prefix, nothing else
-        # a fact without KV was evicted for room: counted, and only when the arena was full
-        assert stats["facts"] - stats["facts_with_kv"] <= stats["kv_evictions_total"], stats
-        live = arena.entries[arena.entries["state"] == LIVE]
-        if stats["kv_evictions_total"]:  # full: no free entry, or fewer free pages than the largest entry needs
-            full = usage["entries_live"] == arena.geometry.max_entries or usage["pages_total"] - usage["pages_used"] < int(live["n_pages"].max())
-            assert full, usage
-        assert usage["pages_used"] == int(live["n_pages"].sum())  # free capacity: all but the live entries'
-    finally:
-        arena.close()
-
-
 def _live_entries() -> dict[bytes, tuple[int, int]]:
-    arena = FactArena.open(_shard_pid_and_arena()[1])
+    arena = FactArena.open(shard_pid_and_arena()[1])
     try:
         return {tag: (ref.entry_id, ref.generation) for ref, tag, _ in arena.live_entries()}
     finally:
@@ -287,7 +213,7 @@ def test_a_window_far_beyond_the_context_is_trimmed_and_the_add_returns_quickly(
     expected = layout.encode_prompt(fact, turns[:5], max_tokens=CONTEXT - 1)
     assert len(layout.prefix_ids) < expected.start and len(expected.token_ids) <= CONTEXT - 1
     assert layout.tokenizer.decode(expected.token_ids[expected.start - 20 : expected.start]).endswith("goes on and on.\n")
-    arena = FactArena.open(_shard_pid_and_arena()[1])
+    arena = FactArena.open(shard_pid_and_arena()[1])
     try:
         (entry,) = [ref for ref, tag, _ in arena.live_entries() if tag == entry_tag(fact_id, 1)]
         assert int(arena.entries[entry.entry_id]["encode_start"]) == expected.start  # built from the trimmed window
@@ -296,10 +222,10 @@ def test_a_window_far_beyond_the_context_is_trimmed_and_the_add_returns_quickly(
 
 
 def test_kill_the_shard_actor_under_load(service: str) -> None:
-    victim = psutil.Process(_shard_pid_and_arena()[0])
+    victim = psutil.Process(shard_pid_and_arena()[0])
     load, recovery = _kill_under_load(service, "shard", victim)
-    assert _shard_pid_and_arena()[0] != victim.pid  # Ray restarted it
-    _check_nothing_lost_or_leaked(service, load)
+    assert shard_pid_and_arena()[0] != victim.pid  # Ray restarted it
+    check_nothing_lost_or_leaked(service, load)
     assert recovery < RECOVERY_S, f"answered again only {recovery:.1f} s after the kill"
 
 
@@ -313,7 +239,7 @@ def test_kill_the_engine_core_under_load(service: str) -> None:
     assert reported[0].startswith("restarting"), reported  # health() answered while the engine was down
     assert _replica_process().pid == replica.pid and _engine_core(replica).pid != core.pid  # restarted in place
     assert _replica_health() == {"engine": "ok", "shard": "ok"}
-    _check_nothing_lost_or_leaked(service, load)
+    check_nothing_lost_or_leaked(service, load)
     assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]  # no orphan worker
     assert recovery < RECOVERY_S, f"answered again only {recovery:.1f} s after the kill"
 
@@ -323,7 +249,7 @@ def test_kill_the_replica_under_load(service: str) -> None:
     core = _engine_core(replica)
     load, recovery = _kill_under_load(service, "replica", replica)
     assert _replica_process().pid != replica.pid  # Serve started a new one
-    _check_nothing_lost_or_leaked(service, load)
+    check_nothing_lost_or_leaked(service, load)
     assert not (core.is_running() and core.status() != psutil.STATUS_ZOMBIE)  # its engine core went with it
     assert recovery < RECOVERY_S, f"answered again only {recovery:.1f} s after the kill"
 
@@ -341,4 +267,4 @@ def test_redis_crash_under_load_loses_no_acknowledged_fact(service: str, fault_r
     acked = {fact_id for ids in load.acked.values() for fact_id in ids}
     store = FactStore.from_url(fault_redis.url, REDIS_PREFIX)
     assert acked and all(store.get(fact_id) for fact_id in acked)  # raises UnknownFact when lost
-    _check_nothing_lost_or_leaked(service, load)
+    check_nothing_lost_or_leaked(service, load)

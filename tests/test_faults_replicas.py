@@ -23,7 +23,7 @@ import pytest
 
 from devtools.local_redis import LocalRedis
 from tests.fault_load import Load, ask, post_json
-from tests.test_faults import NAMESPACE, _check_nothing_lost_or_leaked, _items, _settled, _shard_pid_and_arena
+from tests.fault_checks import NAMESPACE, check_nothing_lost_or_leaked, items, settled, shard_pid_and_arena
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +41,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory, smollm2_dir):
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # as tests/test_faults.py: no engine pinned to core 0
     with LocalRedis(tmp_path_factory.mktemp("pair-redis")) as redis_server:
         with running_service(redis_server.url, smollm2_dir, NAMESPACE, **overrides) as url:
-            seed = [f"The seed user's item number {i} is a {c} {t}." for i, (c, t) in enumerate(_items(20))]
+            seed = [f"The seed user's item number {i} is a {c} {t}." for i, (c, t) in enumerate(items(20))]
             assert post_json(url, "/v1/memories", {"user_id": "seed", "facts": seed})[0] == 200
-            _settled(url)
+            settled(url)
             yield url
     if bind is None:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
@@ -56,7 +56,7 @@ def _replicas(wait_s: float = 240.0) -> list[psutil.Process]:
     oldest first, once both run (waiting while Serve replaces one)."""
     deadline = time.monotonic() + wait_s
     while True:
-        raylet = psutil.Process(psutil.Process(_shard_pid_and_arena()[0]).ppid())
+        raylet = psutil.Process(psutil.Process(shard_pid_and_arena()[0]).ppid())
         found = [p for p in raylet.children() if "ServeReplica:kvmem:LLMReplica_0" in " ".join(p.cmdline())]
         if len(found) == 2 and all(_engine_cores(p) for p in found) or time.monotonic() > deadline:
             assert len(found) == 2, found
@@ -99,14 +99,14 @@ def test_an_engine_core_kill_is_answered_by_the_shards_other_replica(pair: str) 
     load = _kill_one(pair, "engine", core)
     replaced = _replicas()  # Serve replaced the replica whose engine died (no in-place rebuild beside its sibling)
     assert first.pid not in {p.pid for p in replaced} and second.pid in {p.pid for p in replaced}
-    _check_nothing_lost_or_leaked(pair, load)
+    check_nothing_lost_or_leaked(pair, load)
 
 
 def test_a_replica_kill_is_answered_by_the_shards_other_replica(pair: str) -> None:
     first, second = _replicas()
-    shard_pid = _shard_pid_and_arena()[0]
+    shard_pid = shard_pid_and_arena()[0]
     load = _kill_one(pair, "replica", first)
-    assert _shard_pid_and_arena()[0] == shard_pid  # the detached shard outlived the replica that started it
+    assert shard_pid_and_arena()[0] == shard_pid  # the detached shard outlived the replica that started it
     replaced = _replicas()
     assert first.pid not in {p.pid for p in replaced} and second.pid in {p.pid for p in replaced}
-    _check_nothing_lost_or_leaked(pair, load)
+    check_nothing_lost_or_leaked(pair, load)

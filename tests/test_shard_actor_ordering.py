@@ -71,7 +71,7 @@ def test_cancelled_requests_never_wedge_the_shard(ray_session) -> None:
 
 
 class SlowShard:
-    """The shard actor's own lock wrapper (actors.shard_actor._one_at_a_time) over two calls the
+    """The shard actor's own lock wrapper (actors.shard_actor.shard_call) over two calls the
     replica makes: a long `stats` holds the shard while later `search` calls pile up behind it."""
 
     def __init__(self) -> None:
@@ -102,10 +102,10 @@ def test_calls_whose_callers_gave_up_are_never_run(ray_session) -> None:
 
     import ray
 
-    from actors.shard_actor import _one_at_a_time
+    from actors.shard_actor import shard_call
     from actors.shard_client import ShardClient, ShardTimeout
 
-    wrapped = type("WrappedSlowShard", (SlowShard,), {n: _one_at_a_time(getattr(SlowShard, n)) for n in ("stats", "search", "searches")})
+    wrapped = type("WrappedSlowShard", (SlowShard,), {n: shard_call(getattr(SlowShard, n)) for n in ("stats", "search", "searches")})
     from actors.shard_actor import SHARD_ACTOR_GROUPS
 
     options = {k: v for k, v in SHARD_ACTOR_OPTIONS.items() if k != "lifetime"}  # ends with the test's Ray

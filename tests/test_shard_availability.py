@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger
 from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
 
@@ -52,7 +54,7 @@ def test_a_call_waiting_on_a_shard_that_goes_down_is_given_up_within_a_second() 
     import pytest
     from fastapi import HTTPException
 
-    from serve_app.ingress.routes import answer_unless
+    from serve_app.ingress.replica_calls import answer_unless
 
     async def never() -> None:
         await asyncio.sleep(3600)
@@ -73,3 +75,51 @@ def test_a_call_waiting_on_a_shard_that_goes_down_is_given_up_within_a_second() 
             await answer_unless(never(), lambda: None, 0.3)
 
     asyncio.run(scenario())
+
+
+def test_a_chat_whose_replica_died_is_asked_again_and_only_then() -> None:
+    """replica_calls.with_failover: a 503 caused by a gone replica or engine is tried again (on
+    another replica of the shard, as Serve's router picks), at most FAILOVER_ATTEMPTS times; any
+    other refusal stands at once, and nothing is retried without other replicas to go to."""
+    import asyncio
+
+    from fastapi import HTTPException
+
+    from serve_app.ingress import replica_calls
+
+    replica_calls.FAILOVER_PAUSE_S = 0.0
+
+    class ActorDiedError(Exception):
+        pass
+
+    def gone() -> HTTPException:
+        error = HTTPException(503, "the service is unavailable right now (ActorDiedError)")
+        error.__cause__ = ActorDiedError("replica died")
+        return error
+
+    def calls(outcomes: list) -> tuple[list, object]:
+        made: list = []
+
+        async def attempt() -> str:
+            made.append(1)
+            outcome = outcomes[len(made) - 1]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        return made, attempt
+
+    made, attempt = calls([gone(), "answer"])
+    assert asyncio.run(replica_calls.with_failover(attempt, enabled=True)) == "answer" and len(made) == 2
+    made, attempt = calls([gone(), gone(), gone(), "never"])
+    with pytest.raises(HTTPException):
+        asyncio.run(replica_calls.with_failover(attempt, enabled=True))
+    assert len(made) == replica_calls.FAILOVER_ATTEMPTS
+    made, attempt = calls([HTTPException(503, "the memory shard is busy"), "never"])
+    with pytest.raises(HTTPException):
+        asyncio.run(replica_calls.with_failover(attempt, enabled=True))
+    assert len(made) == 1  # the shard, not the replica: another replica would wait on the same shard
+    made, attempt = calls([gone(), "never"])
+    with pytest.raises(HTTPException):
+        asyncio.run(replica_calls.with_failover(attempt, enabled=False))
+    assert len(made) == 1

@@ -45,6 +45,7 @@ from ray.serve.handle import DeploymentHandle
 from memory.directory import UserDirectory
 from memory.records import StoreUnavailable, is_fact_id
 from serve_app.ingress.auth import Authenticator, KeyRecord, KeyStore, NewKeyRequest, Principal, caller
+from serve_app.ingress.replica_calls import answer_unless, with_failover
 from serve_app.ingress.errors import http_error, install_error_handlers, store_unavailable
 from serve_app.ingress.gate import RequestGate
 from serve_app.memory_protocol import (
@@ -86,21 +87,6 @@ def memory_route(verb: Literal["GET", "POST", "PUT", "DELETE"], path: str) -> Ca
         return endpoint
 
     return register
-
-
-async def answer_unless(call: Awaitable[Any], refusal: Callable[[], HTTPException | None], timeout_s: float) -> Any:
-    """`call`'s answer within `timeout_s` (asyncio.TimeoutError past it), given up with `refusal()`'s
-    error as soon as it has one (checked every second: a shard whose replica died meanwhile)."""
-    task, deadline = asyncio.ensure_future(call), asyncio.get_running_loop().time() + timeout_s
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=min(1.0, max(0.0, deadline - asyncio.get_running_loop().time())))
-        if done:
-            return task.result()
-        error = refusal() if asyncio.get_running_loop().time() < deadline else asyncio.TimeoutError()
-        if error is not None:
-            task.cancel()
-            getattr(call, "cancel", lambda: None)()  # a Serve response: cancel the request in the replica too
-            raise error
 
 
 class ChatRoutes:
@@ -203,21 +189,25 @@ class ChatRoutes:
                 except HTTPException:
                     if request.memory.mode != "none":
                         raise  # a request that needs no memory is answered even while Redis is down
-        replica = self._home_replica() if shard is None else self._routable(shard)
         # which ingress took the request and which shard answered it (routing is observable)
         response.headers["X-KVMem-Route"] = route = f"{self.ingress_name} -> {'home' if shard is None else f'shard-{shard}'}"
         scope = None if self.settings.auth.mode == "off" else principal.cache_scope  # salts a user-less request
         called = clock.record("route", routed)
+
+        async def ask() -> Any:  # once, or again on another replica of the shard (failover)
+            replica = self._home_replica() if shard is None else self._routable(shard)
+            if not request.stream:
+                return await self._answer(replica.chat.remote(request, scope), shard)
+            events = replica.options(stream=True).chat_stream.remote(request, scope)
+            return await self._answer(events.__anext__(), shard), events  # a refusal comes as a status, not a stream
+
+        answer = await with_failover(ask, self.settings.llm_replicas_per_shard > 1)
         if not request.stream:
-            answer = await self._answer(replica.chat.remote(request, scope), shard)
             clock.record("replica_answer", called)
             response.headers["Server-Timing"] = self._timed(clock)
             return answer
-        events = replica.options(stream=True).chat_stream.remote(request, scope)
-        first = await self._answer(events.__anext__(), shard)  # a refusal comes as a status, not a stream
         clock.record("replica_first_event", called)
-        headers = {"Server-Timing": self._timed(clock), "X-KVMem-Route": route}
-        return self._relayed(first, events, headers)
+        return self._relayed(*answer, {"Server-Timing": self._timed(clock), "X-KVMem-Route": route})
 
     def _relayed(self, first: str, events: Any, headers: dict[str, str]) -> StreamingResponse:
         """A replica's server-sent events after `first`, each awaited at most replica_call_timeout_s."""

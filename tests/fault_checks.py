@@ -1,0 +1,89 @@
+"""What the fault tests (tests/test_faults.py, tests/test_faults_replicas.py) check after a kill:
+the shard's stats once its encodes settle, the shard actor's process and arena, and that nothing
+acknowledged was lost or leaked (every fact there, its KV live, answered from; the arena's pins,
+captures and retired entries back to zero, its pages exactly the live entries')."""
+
+from __future__ import annotations
+
+import time
+
+import requests
+
+from kvarena.arena import LIVE, FactArena
+from tests.fault_load import Load, ask
+
+NAMESPACE = "faults"  # the fault tests' services (one at a time: each module runs its own Ray)
+
+
+def items(n: int) -> list[tuple[str, str]]:
+    colours, things = ["red", "blue", "green", "grey", "pink"], ["kite", "lamp", "drum", "boat", "vase", "sock"]
+    return [(colours[i % 5], things[i % 6]) for i in range(n)]
+
+
+def shard_stats(url: str) -> dict:
+    (stats,) = requests.get(url + "/v1/shards", timeout=30).json()["results"]
+    return stats
+
+
+def settled(url: str, within_s: float = 240.0) -> dict:
+    """The shard's stats once nothing waits for its KV (the service must get there in time)."""
+    deadline, last = time.monotonic() + within_s, None
+    while time.monotonic() < deadline:
+        try:
+            last = shard_stats(url)
+            if last["pending_encodes"] == 0:
+                return last
+        except (requests.RequestException, KeyError, ValueError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"encodes still pending after {within_s:.0f} s: {last}")
+
+
+def shard_actor():
+    import ray
+
+    from actors.shard_actor import shard_actor_name
+
+    name = shard_actor_name(NAMESPACE, 0)
+    (found,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
+    return ray.get_actor(name, namespace=found["namespace"])
+
+
+def shard_pid_and_arena() -> tuple[int, str]:
+    import ray
+
+    ready = ray.get(shard_actor().ready.remote(), timeout=120)
+    return ready["pid"], ready["arena"]
+
+
+def check_nothing_lost_or_leaked(url: str, load: Load) -> None:
+    load.check_no_request_hung()
+    stats = settled(url)
+    for user, ids in load.acked.items():
+        records = requests.get(url + "/v1/memories", params={"user_id": user}, timeout=30).json()["results"]
+        assert ids <= {r["id"] for r in records}, f"acknowledged facts of {user} lost"
+        # every acknowledged fact's KV is live, or was evicted for room (the module's loads together
+        # can fill the arena's 512 entries on a fast machine); never failed, never stuck encoding.
+        # An add whose Redis write landed but whose reply was lost to the crash was not acknowledged,
+        # but its record is Redis's: the shard took it over (memory.read_repair), never "unknown".
+        assert not [r["id"] for r in records if r["kv"] == "unknown"], records
+        kv = [(r["id"], r["kv"], r["kv_error"]) for r in records if r["id"] in ids]
+        assert {state for _, state, _ in kv} <= {"live", "evicted"} and "live" in {state for _, state, _ in kv}, kv
+        status, answer = ask(url, user, "Which box holds item 1?", top_k=50)
+        assert status == 200 and ids <= set(answer["memory"]["fact_ids"])  # answered from every one of them
+        assert answer["memory"]["cached_tokens"] >= answer["memory"]["injected_tokens"] > 0
+    stats = settled(url)  # a chat re-encodes the evicted facts it used (evicting others): wait for that too
+    arena = FactArena.open(shard_pid_and_arena()[1])
+    try:
+        usage = arena.usage()
+        assert (usage["pins"], usage["entries_writing"], usage["entries_retired"]) == (0, 0, 0), usage
+        assert usage["entries_live"] == stats["facts_with_kv"] + 1  # every fact with KV and the prefix, nothing else
+        # a fact without KV was evicted for room: counted, and only when the arena was full
+        assert stats["facts"] - stats["facts_with_kv"] <= stats["kv_evictions_total"], stats
+        live = arena.entries[arena.entries["state"] == LIVE]
+        if stats["kv_evictions_total"]:  # full: no free entry, or fewer free pages than the largest entry needs
+            full = usage["entries_live"] == arena.geometry.max_entries or usage["pages_total"] - usage["pages_used"] < int(live["n_pages"].max())
+            assert full, usage
+        assert usage["pages_used"] == int(live["n_pages"].sum())  # free capacity: all but the live entries'
+    finally:
+        arena.close()
