@@ -72,3 +72,16 @@ def test_user_id_goes_to_its_stable_shard_else_anywhere() -> None:
     # its shard's replica is not up: any replica takes it (the ingress routes forward it)
     assert _choose([replicas[0]], users[1]) == [["a"]]
     assert _choose(replicas, "") == [["a", "b"]]
+
+
+def test_a_shards_replicas_share_its_users_and_one_whose_engine_died_is_avoided() -> None:
+    """Two replicas per shard (llm_replicas_per_shard: 2): a user's requests may go to either; a
+    replica whose engine died passes its shard's calls to the others (`shard:<n>:avoid:<itself>`),
+    which never come back to it, and wait while it is the only one."""
+    replicas = [_replica("a0", replica_metadata(0, 2)), _replica("b", replica_metadata(1, 2)), _replica("a1", replica_metadata(0, 2))]
+    users = {stable_shard(f"user-{i}", 2): f"user-{i}" for i in range(20)}
+    assert _choose(replicas, users[0]) == [["a0", "a1"]]
+    assert _choose(replicas, shard_hint(0)) == [["a0", "a1"]]
+    assert wanted_shard(shard_hint(0, avoid="a0"), 2) == (0, True)
+    assert _choose(replicas, shard_hint(0, avoid="a0")) == [["a1"]]
+    assert _choose(replicas[:2], shard_hint(0, avoid="a0")) == []  # no other replica of shard 0 yet: wait

@@ -6,10 +6,12 @@ The router runs wherever a handle routes to those replicas: in Serve's proxy (HT
 and in each replica (a request forwarded to the shard that holds its user).
 
 The hint is the request's session id (`RequestMetadata.session_id`):
-  * `shard:<n>` (set by a replica forwarding to shard n): only the replica of shard n takes it;
-    while that replica is not up the request waits (Serve backs off and retries), because the
-    call it carries must run on that shard. A hint naming no shard of the service (n out of
-    range, which only a client could send) is ignored, so no header makes a request wait forever.
+  * `shard:<n>` (set by a replica forwarding to shard n): only a replica of shard n takes it;
+    while none is up the request waits (Serve backs off and retries), because the call it
+    carries must run on that shard. A hint naming no shard of the service (n out of range, which
+    only a client could send) is ignored, so no header makes a request wait forever.
+    `shard:<n>:avoid:<replica>` (a replica of shard n whose engine died, passing a chat to the
+    shard's other replicas) also leaves out that replica.
   * anything else is a user id, sent by the client in the `x-session-id` header (Serve's
     session header, RAY_SERVE_SESSION_ID_HEADER_KEY): the replica of that user's shard when
     the user is placed by the stable hash, else any replica, which forwards it (one hop more).
@@ -27,11 +29,13 @@ from memory.redis_keys import stable_shard
 SHARD_KEY = "shard"  # replica metadata: the shard a replica serves
 SHARDS_KEY = "shards"  # replica metadata: how many shards the service has
 _SHARD_HINT = "shard:"
+_AVOID = ":avoid:"
 
 
-def shard_hint(shard: int) -> str:
-    """The session id that sends a call to shard `shard`'s replica (and only there)."""
-    return f"{_SHARD_HINT}{shard}"
+def shard_hint(shard: int, avoid: str | None = None) -> str:
+    """The session id that sends a call to shard `shard`'s replicas (and only there), but the
+    replica whose unique id is `avoid`."""
+    return f"{_SHARD_HINT}{shard}" + (f"{_AVOID}{avoid}" if avoid else "")
 
 
 def replica_metadata(shard: int, shards: int) -> dict[str, Any]:
@@ -45,7 +49,7 @@ def wanted_shard(session_id: str, num_shards: int) -> tuple[int | None, bool]:
         return None, False
     if session_id.startswith(_SHARD_HINT):
         try:
-            shard = int(session_id[len(_SHARD_HINT):])
+            shard = int(session_id[len(_SHARD_HINT):].split(_AVOID)[0])
         except ValueError:
             return None, False
         # a hint naming no shard (a client can send any session id) goes anywhere instead of waiting
@@ -80,7 +84,13 @@ class UserShardRouter(RequestRouter):
         pending_request.routing_context.should_backoff = True  # one choice per attempt: back off between them
         by_shard = shards_of(candidate_replicas)
         num_shards = max((r.replica_metadata.get(SHARDS_KEY, 0) for r in candidate_replicas), default=0)
-        shard, strict = wanted_shard(pending_request.metadata.session_id, num_shards)
+        session_id = pending_request.metadata.session_id
+        shard, strict = wanted_shard(session_id, num_shards)
+        if strict and _AVOID in session_id:  # a replica whose engine died passes the call to the shard's others
+            avoid = session_id.split(_AVOID, 1)[1]
+            by_shard[shard] = [r for r in by_shard.get(shard, []) if r.replica_id.unique_id != avoid]
+            if not by_shard[shard]:
+                del by_shard[shard]
         if shard is not None and shard in by_shard:
             return [by_shard[shard]]
         if strict:

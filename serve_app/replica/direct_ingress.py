@@ -6,7 +6,9 @@ two (proxy -> ChatAPI -> LLMReplica). The replica runs the same routes as ChatAP
 (serve_app.ingress.routes, serve_app.ingress.mem0_routes): keys, ownership checks and the user -> shard map from Redis.
 A request for its own shard runs in process; one for another shard (no header, or a user placed
 before the shard count changed) is forwarded through a handle to this deployment with the hint
-`shard:<n>`, which the router sends only to that shard's replica.
+`shard:<n>`, which the router sends only to that shard's replicas. A replica whose engine died,
+with other replicas of its shard running, passes its own shard's calls to them the same way
+(`shard:<n>:avoid:<itself>`) until Serve replaces it.
 
 The deployment runs llm_replicas x llm_replicas_per_shard replicas. A replica's Serve rank r
 gives its shard (r mod llm_replicas) and its engine slot in that shard's arena (r div
@@ -26,6 +28,7 @@ from ray.serve.config import RequestRouterConfig
 from serve_app.ingress.completion_routes import CompletionRoutes
 from serve_app.ingress.mem0_routes import Mem0Routes
 from serve_app.ingress.routes import api
+from serve_app.replica.lifecycle import engine_dead
 from serve_app.replica.server import MemoryLLM
 from serve_app.settings import ServiceSettings
 from serve_app.ingress.shard_router import UserShardRouter, replica_metadata, shard_hint
@@ -90,11 +93,14 @@ class ReplicaIngress(Mem0Routes, CompletionRoutes, MemoryLLM):
         self._init_routes(settings)
         self._local = LocalCalls(self)
         self._peers = serve.get_deployment_handle(context.deployment, app_name=context.app_name)
+        self._replica_id = context.replica_id.unique_id
 
     def _replica(self, shard: int) -> Any:
-        if shard == self.shard_id:
-            return self._local
-        return self._peers.options(session_id=shard_hint(shard))
+        if shard != self.shard_id:
+            return self._peers.options(session_id=shard_hint(shard))
+        if self.settings.llm_replicas_per_shard > 1 and engine_dead(self.engine):  # the shard's others answer
+            return self._peers.options(session_id=shard_hint(shard, avoid=self._replica_id))
+        return self._local
 
     def _home_replica(self) -> Any:
         return self._local
