@@ -375,3 +375,4 @@ class FactArena(ArenaTables):
         engine's tier died with it)."""
         with self.locked():
             self.page_device[self._engine(engine)] = -1
+

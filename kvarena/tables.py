@@ -10,10 +10,12 @@ Layer 2 of the arena (kvarena.arena's docstring names all three). tables.bin hol
     page_device int32 per engine slot and page: that engine worker's HBM-tier slot, -1 when host only
     engine_pins int32 per engine slot and entry: the pins that engine's requests hold (their sum
                 is the entry's `pins`), so an engine's successor clears its own pins only
+    engine_owner int64 per engine slot: (pid, start time) of the process holding the slot, 0 when free
 
-Engine slots: several engines may serve one arena (a shard's replicas, each with its own engine);
-each is started with a slot number below MAX_ENGINES (connector.engine_config) and pins, unpins and
-publishes residency under it.
+Engine slots: several engines may serve one arena (a shard's replicas, each with its own engine).
+A replica claims a slot for its engine (kvarena.arena.FactArena.claim_engine_slot: its own again,
+else the first whose holder's process is gone) and starts the engine with it
+(connector.engine_config); the engine pins, unpins and publishes residency under it.
 
 ArenaTables maps them (numpy views of one memmap), owns the `lock` file (fcntl) and a thread
 lock, and has the record-level helpers the arena's operations share. No torch, no vLLM.
@@ -44,6 +46,17 @@ TAG_BYTES = 16
 NO_TAG = np.void(bytes(TAG_BYTES))
 STATE_NAMES = {FREE: "free", WRITING: "writing", LIVE: "live", RETIRED: "retired"}
 MAX_ENGINES = 4  # engine slots of one arena: the most engines (replicas of one shard) that may serve it at once
+
+
+def process_identity(pid: int) -> tuple[int, int]:
+    """(pid, start time in clock ticks since boot) of a live process, else (pid, -1): the start time
+    tells a process from a later one that reused its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return pid, int(fields[19])  # field 22 of proc(5), counted after "pid (comm)"
+    except (OSError, IndexError, ValueError):
+        return pid, -1
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,7 @@ def table_sizes(g: ArenaGeometry) -> list[int]:
         g.num_token_slots * 4,
         MAX_ENGINES * g.num_pages * 4,
         MAX_ENGINES * g.max_entries * 4,
+        MAX_ENGINES * 2 * 8,
     ]
 
 
@@ -130,6 +144,8 @@ class ArenaTables:
         self.page_device = np.ndarray((MAX_ENGINES, g.num_pages), dtype=np.int32, buffer=self._tables, offset=offset)
         offset += sizes[3]
         self.engine_pins = np.ndarray((MAX_ENGINES, g.max_entries), dtype=np.int32, buffer=self._tables, offset=offset)
+        offset += sizes[4]
+        self.engine_owner = np.ndarray((MAX_ENGINES, 2), dtype=np.int64, buffer=self._tables, offset=offset)
         self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         self._thread_lock = threading.Lock()  # flock does not exclude threads sharing the fd
 
@@ -195,3 +211,37 @@ class ArenaTables:
             encode_start=int(record["encode_start"]),
             token_slots=self._token_slots(record["pages"][:n_pages].copy(), n_tokens),
         )
+
+    # ------------------------------------------------------------------ engine slots
+    def claim_engine_slot(self, pid: int) -> int:
+        """The engine slot of the process `pid` (a replica about to start its engine): the one it
+        holds already (an engine restarted in place), else the first slot that is free or whose
+        holder's process is gone (a replica that died or gave its slot up). Raises ArenaError when
+        MAX_ENGINES live processes hold slots. The engine clears the slot's old pins when it starts."""
+        identity = process_identity(pid)
+        if identity[1] < 0:
+            raise ArenaError(f"no live process {pid} to hold an engine slot")
+        with self.locked():
+            holders = [tuple(int(v) for v in row) for row in self.engine_owner]
+            if identity in holders:
+                return holders.index(identity)
+            for slot, holder in enumerate(holders):
+                if not _alive(holder):
+                    self.engine_owner[slot] = identity
+                    return slot
+        raise ArenaError(f"all {MAX_ENGINES} engine slots of the arena at {self.path} are held by live processes: {holders}")
+
+    def release_engine_slot(self, slot: int, pid: int) -> None:
+        """Process `pid` gives its slot up (its engine died and another replica will replace it)."""
+        with self.locked():
+            if tuple(int(v) for v in self.engine_owner[self._engine(slot)]) == process_identity(pid):
+                self.engine_owner[slot] = 0
+
+    def live_engines(self) -> int:
+        """How many engine slots live processes hold."""
+        return sum(1 for row in self.engine_owner if _alive(tuple(int(v) for v in row)))
+
+
+def _alive(holder: tuple[int, int]) -> bool:
+    """Whether the process that claimed an engine slot as `holder` (pid, start time) still runs."""
+    return holder[0] > 0 and holder[1] >= 0 and process_identity(holder[0]) == holder

@@ -341,3 +341,27 @@ def test_connector_config_is_checked_once_and_names_unknown_keys() -> None:
         ConnectorConfig.from_extra_config({"arena_path": "/dev/shm/x", "devce_pages": 4})
     with pytest.raises(ValueError, match="engine_slot"):
         ConnectorConfig(arena_path="/dev/shm/x", engine_slot=9)
+
+
+def _exits_at_once() -> None:
+    pass
+
+
+def test_an_engine_slot_is_held_by_its_process_and_freed_by_its_death(arena: FactArena) -> None:
+    """Each replica claims a slot for its engine: its own again (an in-place engine restart), else
+    the first free one or one whose holder died (a replaced replica); a slot given up is free."""
+    import os
+
+    child = mp.get_context("spawn").Process(target=_exits_at_once)
+    child.start()
+    child.join()
+    assert arena.claim_engine_slot(os.getpid()) == 0
+    assert arena.claim_engine_slot(os.getpid()) == 0  # the same process: the same slot
+    assert arena.claim_engine_slot(os.getppid()) == 1  # another live process
+    assert arena.live_engines() == 2
+    arena.engine_owner[2] = (child.pid, 12345)  # held by a process that is gone
+    assert arena.live_engines() == 2
+    with pytest.raises(ArenaError, match="no live process"):
+        arena.claim_engine_slot(child.pid)
+    arena.release_engine_slot(0, os.getpid())
+    assert arena.live_engines() == 1 and arena.claim_engine_slot(os.getppid()) == 1

@@ -11,15 +11,18 @@ with other replicas of its shard running, passes its own shard's calls to them t
 (`shard:<n>:avoid:<itself>`) until Serve replaces it.
 
 The deployment runs llm_replicas x llm_replicas_per_shard replicas. A replica's Serve rank r
-gives its shard (r mod llm_replicas) and its engine slot in that shard's arena (r div
-llm_replicas); a replacement replica takes the rank, and so the shard and the slot, of the one it
-replaces. The shard is published to the routers through Serve's record_replica_metadata hook;
-with several replicas per shard UserShardRouter sends a user's request to any of them.
+below that count gives its shard (r mod llm_replicas); a replica that replaces one Serve stopped
+for failing its health check starts while the old one still holds its rank, so it gets a rank
+past the count: it takes the shard that has fewer live engines than llm_replicas_per_shard
+(shard_short_of_engines; the replica it replaces gave its engine slot up). The shard is published
+to the routers through Serve's record_replica_metadata hook; with several replicas per shard
+UserShardRouter sends a user's request to any of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -83,11 +86,8 @@ class ReplicaIngress(Mem0Routes, CompletionRoutes, MemoryLLM):
     def __init__(self, settings: ServiceSettings) -> None:
         context = serve.get_replica_context()
         rank, shards = context.rank.rank, settings.llm_replicas
-        if rank >= shards * settings.llm_replicas_per_shard:
-            raise RuntimeError(f"replica rank {rank} has no shard (llm_replicas x llm_replicas_per_shard = "
-                               f"{shards} x {settings.llm_replicas_per_shard})")
-        shard = rank % shards
-        MemoryLLM.__init__(self, settings, shard, engine_slot=rank // shards)
+        shard = rank % shards if rank < shards * settings.llm_replicas_per_shard else shard_short_of_engines(settings)
+        MemoryLLM.__init__(self, settings, shard)
         self.num_shards = settings.llm_replicas
         self.ingress_name = f"shard-{shard}"
         self._init_routes(settings)
@@ -108,6 +108,29 @@ class ReplicaIngress(Mem0Routes, CompletionRoutes, MemoryLLM):
     def record_replica_metadata(self) -> dict[str, Any]:
         """Serve's hook: the shard this replica serves, for UserShardRouter."""
         return replica_metadata(self.shard_id, self.num_shards)
+
+
+def shard_short_of_engines(settings: ServiceSettings, wait_s: float = 120.0) -> int:
+    """The first shard whose arena (on this host) has fewer live engines than llm_replicas_per_shard:
+    the shard of the replica being replaced. Waits up to `wait_s` for one (the old replica gives its
+    slot up when its engine dies, or frees it when its process ends)."""
+    from kvarena.arena import ArenaError, FactArena
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        for shard in range(settings.llm_replicas):
+            try:
+                arena = FactArena.open(settings.memory.arena_path(settings.namespace, shard))
+            except (ArenaError, OSError):
+                continue
+            try:
+                if arena.live_engines() < settings.llm_replicas_per_shard:
+                    return shard
+            finally:
+                arena.close()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no shard of this host is short of an engine after {wait_s:.0f} s")
+        time.sleep(1.0)
 
 
 def direct_deployment(*, settings: ServiceSettings) -> serve.Application:

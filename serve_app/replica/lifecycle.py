@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,8 +51,10 @@ class EngineKeeper:
         on_swap: Callable[[Any], None] | None = None,
         log_stats_interval_s: float = 0.0,
         restart_in_place: bool = True,
+        on_give_up: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.on_give_up = on_give_up  # called once when the engine died and is not restarted here
         # False when other replicas serve the same shard: a dead engine makes the replica unhealthy
         # at once (Serve replaces it while they answer) and no engine is built here meanwhile
         self.restart_in_place = restart_in_place
@@ -96,6 +99,9 @@ class EngineKeeper:
                     await self.engine.do_log_stats()
                 except Exception as exc:  # noqa: BLE001 - a log line is never worth a restart
                     logger.debug("engine stats: %s", exc)
+            if engine_dead(self.engine) and not self.restart_in_place and self.on_give_up is not None:
+                give_up, self.on_give_up = self.on_give_up, None
+                give_up()
             if engine_dead(self.engine) and self.restart_in_place and (self._restarting is None or self._restarting.done()):
                 if self._failed_restarts >= self.max_restarts:
                     continue  # given up: check_health reports it and Serve replaces the replica
@@ -258,12 +264,47 @@ def _retry_predecessors_jobs(actor: Any, engine_slot: int) -> None:
         logger.warning("retried %d encode jobs left by engine slot %d's predecessor", retried, engine_slot)
 
 
+class EngineSlot:
+    """This replica's engine slot in its shard's arena (kvarena.arena.FactArena.claim_engine_slot),
+    claimed when the engine first starts (the arena exists by then), kept across in-place engine
+    restarts, given up when the engine died for good here (another replica replaces this one)."""
+
+    def __init__(self, arena_path: Path) -> None:
+        self.arena_path = arena_path
+        self.slot: int | None = None
+
+    def claim(self) -> int:
+        from kvarena.arena import FactArena
+
+        arena = FactArena.open(self.arena_path)
+        try:
+            self.slot = arena.claim_engine_slot(os.getpid())
+        finally:
+            arena.close()
+        return self.slot
+
+    def release(self) -> None:
+        from kvarena.arena import ArenaError, FactArena
+
+        if self.slot is None:
+            return
+        try:
+            arena = FactArena.open(self.arena_path)
+        except (ArenaError, OSError):
+            return
+        try:
+            arena.release_engine_slot(self.slot, os.getpid())
+        finally:
+            arena.close()
+        logger.warning("gave engine slot %d of %s up", self.slot, self.arena_path)
+
+
 def start_backends(
-    settings: "ServiceSettings", shard_id: int, model: str, kv_dtype: str, engine_slot: int = 0
-) -> tuple[Any, EngineKeeper]:
-    """(shard actor, EngineKeeper over the engine) of a replica of shard `shard_id` whose engine
-    pins under `engine_slot` in the shard's arena: the shard encodes into the engine's context
-    (encode_context_tokens = max_model_len)."""
+    settings: "ServiceSettings", shard_id: int, model: str, kv_dtype: str
+) -> tuple[Any, EngineKeeper, EngineSlot]:
+    """(shard actor, EngineKeeper over the engine, its slot) of a replica of shard `shard_id`: the
+    engine pins under its claimed slot in the shard's arena, and the shard encodes into the
+    engine's context (encode_context_tokens = max_model_len)."""
     from actors.shard_actor import shard_fingerprint, start_shard_actor
     from connector.engine_config import kv_transfer_config
     from kvarena.arena import arena_geometry_for
@@ -272,8 +313,10 @@ def start_backends(
     memory = settings.memory.model_copy(update={"encode_context_tokens": settings.engine.max_model_len})
     arena_path = memory.arena_path(settings.namespace, shard_id)
 
+    slot = EngineSlot(arena_path)
+
     def build_engine(path: str = str(arena_path)) -> Any:
-        connector = kv_transfer_config(path, device_pages=memory.arena.device_pages, engine_slot=engine_slot)
+        connector = kv_transfer_config(path, device_pages=memory.arena.device_pages, engine_slot=slot.claim())
         with one_engine_start_at_a_time(Path(memory.arena_dir), settings.engine_restart_timeout_s):
             # encodes run below chats (priority scheduling)
             return build_async_engine(settings.engine, model, kv_transfer_config=connector, scheduling_policy="priority")
@@ -288,8 +331,8 @@ def start_backends(
         arena_geometry_for(model, kv_dtype, **memory.arena.model_dump(exclude={"device_pages"})),
         fingerprint=shard_fingerprint(memory, model, kv_dtype, settings.redis_url, settings.namespace),
     )
-    _retry_predecessors_jobs(actor, engine_slot)
+    _retry_predecessors_jobs(actor, slot.slot)
     keeper = EngineKeeper(engine, build_engine, settings.engine_restart_timeout_s, settings.engine_max_restarts,
                           log_stats_interval_s=settings.engine.log_stats_interval_s,
-                          restart_in_place=settings.llm_replicas_per_shard == 1)
-    return actor, keeper
+                          restart_in_place=settings.llm_replicas_per_shard == 1, on_give_up=slot.release)
+    return actor, keeper, slot

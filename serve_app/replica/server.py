@@ -69,22 +69,20 @@ class MemoryLLM(TextCompletions):
     """One vLLM engine with its memory shard: the replica's work, whichever deployment runs it
     (LLMReplica below, behind the ChatAPI router; or serve_app.replica.direct_ingress.ReplicaIngress)."""
 
-    def __init__(self, settings: ServiceSettings, shard_id: int = 0, engine_slot: int | None = None) -> None:
+    def __init__(self, settings: ServiceSettings, shard_id: int = 0) -> None:
         from transformers import AutoTokenizer  # the process boundary: module docstring
 
         self.settings = settings
         self.shard_id = shard_id
-        # this replica's engine's pin slot in the shard's arena: its rank among the shard's replicas
-        self.engine_slot = serve.get_replica_context().rank.rank if engine_slot is None else engine_slot
         model = settings.resolved_model()
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.layout = PromptLayout(self.tokenizer, settings.memory.instruction, settings.memory.window_bridge, settings.memory.memory_closing)
         self.limits = TokenLimits(self.layout, settings)  # token bounds, checked before anything is stored or run
         kv_dtype = resolve_dtype(settings.engine)  # the shard's arena holds KV of the dtype engine_kwargs gives vLLM
-        actor, self.keeper = start_backends(settings, shard_id, model, kv_dtype, self.engine_slot)
+        actor, self.keeper, self.engine_slot = start_backends(settings, shard_id, model, kv_dtype)
         self.keeper.on_swap = lambda engine: setattr(self.driver, "engine", engine)
         self.shard = ShardClient(
-            actor, timeout_s=settings.shard_call_timeout_s, plan_channel=self._plan_channel(settings, shard_id), engine_slot=self.engine_slot
+            actor, timeout_s=settings.shard_call_timeout_s, plan_channel=self._plan_channel(settings, shard_id), engine_slot=self.engine_slot.slot or 0
         )
         self.watchdog = ShardWatchdog(self.shard, settings.health_timeout_s, settings.shard_restart_after_s)
         self._driver_task: asyncio.Task | None = None
@@ -323,7 +321,7 @@ class MemoryLLM(TextCompletions):
         else:
             self._remember_stats(result)
         channel = self.shard.plan_channel  # how this replica's chat plans travel (None: through Ray)
-        return {**result, "plan_channel": channel.address if channel else None, "engine_slot": self.engine_slot}
+        return {**result, "plan_channel": channel.address if channel else None, "engine_slot": self.engine_slot.slot}
 
     def _remember_stats(self, stats: dict[str, Any]) -> None:
         self._last_stats, self._stats_at = stats, time.monotonic()
@@ -366,9 +364,8 @@ class MemoryLLM(TextCompletions):
         keeper = getattr(self, "keeper", None)
         if keeper is not None:
             keeper.close()  # a shutdown, not a crash: no restart
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+            self.engine.shutdown()
+            self.engine_slot.release()  # after the engine: its successor clears the slot's pins
 
 
 # The replica behind the ChatAPI router deployment (`routing: router`), one deployment per shard.
