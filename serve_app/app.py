@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from serve_app.ingress.router import ChatAPI
+from serve_app.ingress.shard_router import UserShardRouter
 from serve_app.replica.direct_ingress import direct_deployment
 from serve_app.replica.engine import check_engine_kwargs
 from serve_app.replica.server import LLMReplica
@@ -39,6 +41,8 @@ def llm_deployments(*, settings: ServiceSettings) -> list[serve.Application]:
         LLMReplica.options(
             name=f"LLMReplica_{shard}",
             num_replicas=settings.llm_replicas_per_shard,
+            # UserShardRouter: a chat passed on from a replica whose engine is down avoids that replica
+            request_router_config=RequestRouterConfig(request_router_class=UserShardRouter),
             max_ongoing_requests=settings.llm_replica_max_ongoing_requests,
             ray_actor_options={"num_cpus": settings.llm_replica_num_cpus, "num_gpus": settings.llm_replica_num_gpus},
         ).bind(settings, shard)

@@ -344,3 +344,13 @@ class NotFound(KeyError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class EngineUnavailable(RuntimeError):
+    """The replica's engine is down (dead, or being restarted in place); maps to HTTP 503 with
+    Retry-After. `replica_id` names the replica, so the ingress can pass a chat to another replica
+    of the same shard (serve_app.ingress.replica_calls)."""
+
+    def __init__(self, message: str, replica_id: str = "") -> None:
+        super().__init__(message, replica_id)  # both in args: the exception pickles across Ray as it is
+        self.replica_id = replica_id

@@ -53,13 +53,18 @@ def pair(tmp_path_factory: pytest.TempPathFactory, smollm2_dir):
 
 def _replicas(wait_s: float = 240.0) -> list[psutil.Process]:
     """The shard's two LLM replica processes (children of the raylet that runs the shard actor),
-    oldest first, once both run (waiting while Serve replaces one)."""
+    oldest first, once Serve runs both (waiting while it replaces one: a replica starting is not
+    yet serving, so killing the other then would leave the shard with none)."""
+    from ray import serve
+
     deadline = time.monotonic() + wait_s
     while True:
         raylet = psutil.Process(psutil.Process(shard_pid_and_arena()[0]).ppid())
         found = [p for p in raylet.children() if "ServeReplica:kvmem:LLMReplica_0" in " ".join(p.cmdline())]
-        if len(found) == 2 and all(_engine_cores(p) for p in found) or time.monotonic() > deadline:
-            assert len(found) == 2, found
+        states = serve.status().applications["kvmem"].deployments["LLMReplica_0"].replica_states
+        running = sum(n for state, n in states.items() if getattr(state, "value", state) == "RUNNING")
+        if len(found) == 2 and running == 2 or time.monotonic() > deadline:
+            assert len(found) == 2 and running == 2, (found, states)
             return sorted(found, key=lambda p: p.create_time())
         time.sleep(1)
 

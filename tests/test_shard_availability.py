@@ -86,6 +86,7 @@ def test_a_chat_whose_replica_died_is_asked_again_and_only_then() -> None:
     from fastapi import HTTPException
 
     from serve_app.ingress import replica_calls
+    from serve_app.protocol import EngineUnavailable
 
     replica_calls.FAILOVER_PAUSE_S = 0.0
 
@@ -100,8 +101,8 @@ def test_a_chat_whose_replica_died_is_asked_again_and_only_then() -> None:
     def calls(outcomes: list) -> tuple[list, object]:
         made: list = []
 
-        async def attempt() -> str:
-            made.append(1)
+        async def attempt(avoid: str | None) -> str:
+            made.append(avoid)
             outcome = outcomes[len(made) - 1]
             if isinstance(outcome, Exception):
                 raise outcome
@@ -110,7 +111,11 @@ def test_a_chat_whose_replica_died_is_asked_again_and_only_then() -> None:
         return made, attempt
 
     made, attempt = calls([gone(), "answer"])
-    assert asyncio.run(replica_calls.with_failover(attempt, enabled=True)) == "answer" and len(made) == 2
+    assert asyncio.run(replica_calls.with_failover(attempt, enabled=True)) == "answer" and made == [None, None]
+    down = HTTPException(503, "the engine is restarting")  # a replica that names itself: avoided next time
+    down.__cause__ = EngineUnavailable("the engine of this replica is down", "replica-a")
+    made, attempt = calls([down, "answer"])
+    assert asyncio.run(replica_calls.with_failover(attempt, enabled=True)) == "answer" and made == [None, "replica-a"]
     made, attempt = calls([gone(), gone(), gone(), "never"])
     with pytest.raises(HTTPException):
         asyncio.run(replica_calls.with_failover(attempt, enabled=True))

@@ -17,7 +17,8 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from memory.redis_keys import stable_shard
-from serve_app.ingress.shard_router import UserShardRouter, replica_metadata, shard_hint, wanted_shard
+from serve_app.ingress.shard_router import UserShardRouter
+from serve_app.shard_routing import replica_metadata, shard_hint, wanted_shard
 
 DEPLOYMENT = DeploymentID(name="LLMReplica", app_name="kvmem")
 

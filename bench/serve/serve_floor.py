@@ -34,7 +34,8 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.ingress.routes import ChatRoutes, api
 from serve_app.replica.direct_ingress import LocalCalls
 from serve_app.settings import ServiceSettings
-from serve_app.ingress.shard_router import UserShardRouter, replica_metadata
+from serve_app.ingress.shard_router import UserShardRouter
+from serve_app.shard_routing import replica_metadata
 
 EVENT = 'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":"ok"}}]}\n\n'
 DONE = "data: [DONE]\n\n"
@@ -115,7 +116,7 @@ class FloorRoutes(ChatRoutes):
         self._init_routes(settings)
         self._local = LocalCalls(NoopReplica())
 
-    def _replica(self, shard: int) -> Any:
+    def _replica(self, shard: int, avoid: str | None = None) -> Any:
         return self._local
 
     def _home_replica(self) -> Any:

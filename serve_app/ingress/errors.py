@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memory.fairness import EncodeBacklogFull
 from memory.records import QuotaExceeded, StoreFull, StoreUnavailable
-from serve_app.protocol import ChatCompletionChunk, ChatCompletionResponse, ErrorResponse, NotFound, RequestRejected
+from serve_app.protocol import ChatCompletionChunk, ChatCompletionResponse, EngineUnavailable, ErrorResponse, NotFound, RequestRejected
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +208,8 @@ def http_error(exc: BaseException) -> HTTPException | None:
         return HTTPException(status_code=400, detail=message)
     if isinstance(cause, NotFound):
         return HTTPException(status_code=404, detail=message)
+    if isinstance(cause, EngineUnavailable):  # the replica's engine is down (a chat may go to another replica)
+        return HTTPException(503, f"the engine is restarting, try again shortly ({message})", {"Retry-After": "5"})
     if type(cause).__name__ in _ENGINE_DOWN:  # by name: the ingress does not import vLLM
         return HTTPException(503, f"the engine is restarting, try again shortly ({message})", {"Retry-After": "5"})
     if isinstance(cause, QuotaExceeded):  # nothing stored; deletes free quota

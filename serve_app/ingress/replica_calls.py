@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 FAILOVER_ATTEMPTS = 3
 FAILOVER_PAUSE_S = 0.5  # Serve's router learns of a dead replica within about a second
-_GONE = {"ActorDiedError", "ActorUnavailableError", "RayActorError", "EngineDeadError", "EngineGenerateError"}
+_GONE = {"ActorDiedError", "ActorUnavailableError", "RayActorError", "EngineDeadError", "EngineGenerateError", "EngineUnavailable"}
 
 
 async def answer_unless(call: Awaitable[Any], refusal: Callable[[], HTTPException | None], timeout_s: float) -> Any:
@@ -43,20 +43,26 @@ async def answer_unless(call: Awaitable[Any], refusal: Callable[[], HTTPExceptio
             raise error
 
 
-def replica_gone(error: HTTPException) -> bool:
-    """Whether a 503 says the replica (or its engine) is gone, rather than the shard or Redis."""
+def replica_gone(error: HTTPException) -> tuple[bool, str | None]:
+    """(whether a 503 says the replica or its engine is gone, rather than the shard or Redis; the
+    replica to avoid when it named itself: EngineUnavailable's replica_id)."""
     cause = error.__cause__
     cause = getattr(cause, "cause", None) or cause
-    return error.status_code == 503 and type(cause).__name__ in _GONE
+    gone = error.status_code == 503 and type(cause).__name__ in _GONE
+    return gone, (getattr(cause, "replica_id", None) or None) if gone else None
 
 
-async def with_failover(attempt: Callable[[], Awaitable[T]], enabled: bool) -> T:
-    """`attempt()`, tried again on another replica while its replica is gone (module docstring)."""
+async def with_failover(attempt: Callable[[str | None], Awaitable[T]], enabled: bool) -> T:
+    """`attempt(avoid)`, tried again on another replica while its replica is gone (module
+    docstring); `avoid` is the replica that said its engine is down (None at first)."""
+    avoid: str | None = None
     for tried in range(1, FAILOVER_ATTEMPTS + 1):
         try:
-            return await attempt()
+            return await attempt(avoid)
         except HTTPException as error:
-            if not enabled or tried == FAILOVER_ATTEMPTS or not replica_gone(error):
+            gone, named = replica_gone(error)
+            avoid = named or avoid
+            if not enabled or tried == FAILOVER_ATTEMPTS or not gone:
                 raise
             logger.warning("chat's replica gone (%s); asking another replica of the shard", error.detail)
             await asyncio.sleep(FAILOVER_PAUSE_S)

@@ -13,6 +13,7 @@ from serve_app.ingress.mem0_routes import Mem0Routes
 from serve_app.ingress.routes import api
 from serve_app.ingress.shard_availability import ShardAvailability
 from serve_app.settings import ServiceSettings
+from serve_app.shard_routing import shard_hint
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -29,8 +30,8 @@ class ChatAPI(Mem0Routes, CompletionRoutes):
         self.availability = ShardAvailability(replicas)
         self._init_routes(settings)
 
-    def _replica(self, shard: int) -> DeploymentHandle:
-        return self.replicas[shard]
+    def _replica(self, shard: int, avoid: str | None = None) -> DeploymentHandle:
+        return self.replicas[shard].options(session_id=shard_hint(shard, avoid)) if avoid else self.replicas[shard]
 
     def _shard_refusal(self, shard: int) -> HTTPException | None:
         """503 at once while the shard's deployment has no running replica (Serve is replacing it)."""

@@ -109,8 +109,8 @@ class ChatRoutes:
         if getattr(self, "stage_seconds", None) is None:  # the LLM replica may have made it
             self.stage_seconds = stage_histogram()
 
-    def _replica(self, shard: int) -> Any:
-        """The calls of shard `shard`'s LLM replica."""
+    def _replica(self, shard: int, avoid: str | None = None) -> Any:
+        """The calls of shard `shard`'s LLM replicas (but the replica `avoid`, whose engine is down)."""
         raise NotImplementedError
 
     def _home_replica(self) -> Any:
@@ -127,12 +127,12 @@ class ChatRoutes:
     async def _replica_of_user(self, user_id: str) -> Any:
         return self._routable(await self._shard_of_user(user_id))
 
-    def _routable(self, shard: int) -> Any:
-        """The calls of shard `shard`'s replica, or a 503 at once while it has none running."""
+    def _routable(self, shard: int, avoid: str | None = None) -> Any:
+        """The calls of shard `shard`'s replicas (but `avoid`), or a 503 at once while it has none running."""
         refusal = self._shard_refusal(shard)
         if refusal is not None:
             raise refusal
-        return self._replica(shard)
+        return self._replica(shard, avoid)
 
     def _shard_refusal(self, shard: int) -> HTTPException | None:
         """Why a request for `shard` is answered 503 now (the router: serve_app.ingress.shard_availability)."""
@@ -194,8 +194,8 @@ class ChatRoutes:
         scope = None if self.settings.auth.mode == "off" else principal.cache_scope  # salts a user-less request
         called = clock.record("route", routed)
 
-        async def ask() -> Any:  # once, or again on another replica of the shard (failover)
-            replica = self._home_replica() if shard is None else self._routable(shard)
+        async def ask(avoid: str | None) -> Any:  # once, or again on another replica of the shard (failover)
+            replica = self._home_replica() if shard is None else self._routable(shard, avoid)
             if not request.stream:
                 return await self._answer(replica.chat.remote(request, scope), shard)
             events = replica.options(stream=True).chat_stream.remote(request, scope)

@@ -24,41 +24,7 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from memory.redis_keys import stable_shard
-
-SHARD_KEY = "shard"  # replica metadata: the shard a replica serves
-SHARDS_KEY = "shards"  # replica metadata: how many shards the service has
-_SHARD_HINT = "shard:"
-_AVOID = ":avoid:"
-
-
-def shard_hint(shard: int, avoid: str | None = None) -> str:
-    """The session id that sends a call to shard `shard`'s replicas (and only there), but the
-    replica whose unique id is `avoid`."""
-    return f"{_SHARD_HINT}{shard}" + (f"{_AVOID}{avoid}" if avoid else "")
-
-
-def replica_metadata(shard: int, shards: int) -> dict[str, Any]:
-    """What a replica publishes to the routers (Serve's record_replica_metadata)."""
-    return {SHARD_KEY: shard, SHARDS_KEY: shards}
-
-
-def wanted_shard(session_id: str, num_shards: int) -> tuple[int | None, bool]:
-    """(shard, strict) for a request's session id: strict when the shard is an explicit hint."""
-    if not session_id:
-        return None, False
-    if session_id.startswith(_SHARD_HINT):
-        try:
-            shard = int(session_id[len(_SHARD_HINT):].split(_AVOID)[0])
-        except ValueError:
-            return None, False
-        # a hint naming no shard (a client can send any session id) goes anywhere instead of waiting
-        # forever; until the replicas have published the shard count, a hint waits for its replica
-        if shard < 0 or (num_shards > 0 and shard >= num_shards):
-            return None, False
-        return shard, True
-    return (stable_shard(session_id, num_shards) if num_shards > 0 else None), False
-
+from serve_app.shard_routing import SHARD_KEY, SHARDS_KEY, avoided_replica, wanted_shard
 
 def shards_of(replicas: List[RunningReplica]) -> dict[int, list[RunningReplica]]:
     """Replicas by the shard they published (replicas that have not published yet are left out)."""
@@ -86,8 +52,8 @@ class UserShardRouter(RequestRouter):
         num_shards = max((r.replica_metadata.get(SHARDS_KEY, 0) for r in candidate_replicas), default=0)
         session_id = pending_request.metadata.session_id
         shard, strict = wanted_shard(session_id, num_shards)
-        if strict and _AVOID in session_id:  # a replica whose engine died passes the call to the shard's others
-            avoid = session_id.split(_AVOID, 1)[1]
+        avoid = avoided_replica(session_id)  # a chat passed on from a replica whose engine is down
+        if strict and avoid is not None:
             by_shard[shard] = [r for r in by_shard.get(shard, []) if r.replica_id.unique_id != avoid]
             if not by_shard[shard]:
                 del by_shard[shard]

@@ -34,7 +34,8 @@ from serve_app.ingress.routes import api
 from serve_app.replica.lifecycle import engine_dead
 from serve_app.replica.server import MemoryLLM
 from serve_app.settings import ServiceSettings
-from serve_app.ingress.shard_router import UserShardRouter, replica_metadata, shard_hint
+from serve_app.ingress.shard_router import UserShardRouter
+from serve_app.shard_routing import shard_hint
 
 
 class _LocalStream:
@@ -93,21 +94,17 @@ class ReplicaIngress(Mem0Routes, CompletionRoutes, MemoryLLM):
         self._init_routes(settings)
         self._local = LocalCalls(self)
         self._peers = serve.get_deployment_handle(context.deployment, app_name=context.app_name)
-        self._replica_id = context.replica_id.unique_id
 
-    def _replica(self, shard: int) -> Any:
-        if shard != self.shard_id:
-            return self._peers.options(session_id=shard_hint(shard))
-        if self.settings.llm_replicas_per_shard > 1 and engine_dead(self.engine):  # the shard's others answer
-            return self._peers.options(session_id=shard_hint(shard, avoid=self._replica_id))
-        return self._local
+    def _replica(self, shard: int, avoid: str | None = None) -> Any:
+        if shard == self.shard_id and avoid != self.replica_id:
+            if not (self.settings.llm_replicas_per_shard > 1 and engine_dead(self.engine)):
+                return self._local
+            avoid = self.replica_id  # its engine is down: the shard's other replicas answer
+        return self._peers.options(session_id=shard_hint(shard, avoid))
 
     def _home_replica(self) -> Any:
         return self._local
 
-    def record_replica_metadata(self) -> dict[str, Any]:
-        """Serve's hook: the shard this replica serves, for UserShardRouter."""
-        return replica_metadata(self.shard_id, self.num_shards)
 
 
 def shard_short_of_engines(settings: ServiceSettings, wait_s: float = 120.0) -> int:

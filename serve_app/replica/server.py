@@ -29,13 +29,13 @@ from memory.prompting import PromptLayout
 from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact
 from memory.records import MemoryHit
 from serve_app.memory_protocol import AddMemoryRequest
-from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, NotFound, RequestRejected
+from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, EngineUnavailable, NotFound, RequestRejected
 from serve_app.ingress.errors import RefusalsAreNotFailures
 from serve_app.replica.chat_responses import Choices, ChunkStream, completion_response
 from serve_app.replica.encode_driver import EncodeDriver
 from serve_app.replica.engine import resolve_dtype
 from serve_app.replica.extraction import extract_facts
-from serve_app.replica.lifecycle import start_backends
+from serve_app.replica.lifecycle import engine_dead, start_backends
 from serve_app.replica.limits import TokenLimits
 from serve_app.replica.metrics import ReplicaMetrics
 from serve_app.replica.reconciliation import reconcile_and_add
@@ -43,6 +43,7 @@ from serve_app.replica.sampling import refusals_as_rejections, sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
 from serve_app.replica.text_completions import TextCompletions
 from serve_app.replica.shard_watchdog import ShardWatchdog
+from serve_app.shard_routing import replica_metadata
 from serve_app.settings import ServiceSettings
 from serve_app.stage_timings import StageClock, count_positive as _count
 
@@ -74,6 +75,7 @@ class MemoryLLM(TextCompletions):
 
         self.settings = settings
         self.shard_id = shard_id
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         model = settings.resolved_model()
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.layout = PromptLayout(self.tokenizer, settings.memory.instruction, settings.memory.window_bridge, settings.memory.memory_closing)
@@ -119,7 +121,9 @@ class MemoryLLM(TextCompletions):
     async def _prepare(self, request: ChatCompletionRequest, clock: StageClock) -> tuple[list[int], Any, Any]:
         """(prompt ids, memory plan, SamplingParams) of a chat request, or RequestRejected /
         NotFound (unknown model) before the engine sees anything (serve_app.replica.limits, .sampling);
-        the plan's stages go on `clock`."""
+        the plan's stages go on `clock`. EngineUnavailable at once while the engine is down."""
+        if engine_dead(self.engine):
+            raise EngineUnavailable(f"the engine of this replica is down: {self.keeper.status()}", self.replica_id)
         if request.model is not None and request.model != self.settings.served_model_name:
             raise NotFound(
                 f"the model {request.model!r} does not exist; this service serves {self.settings.served_model_name!r}",
@@ -359,6 +363,10 @@ class MemoryLLM(TextCompletions):
             except asyncio.TimeoutError:
                 shard = f"starting: the shard has not answered within {self.settings.status_timeout_s:g} s"
         return {"engine": self.keeper.status(), "shard": shard}
+
+    def record_replica_metadata(self) -> dict[str, Any]:
+        """Serve's hook: the shard this replica serves, for UserShardRouter (both topologies)."""
+        return replica_metadata(self.shard_id, self.settings.llm_replicas)
 
     def __del__(self) -> None:
         keeper = getattr(self, "keeper", None)
