@@ -162,11 +162,12 @@ class ShardActor(MemoryShard):
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # ------------------------------------------------------------------ probes (no lock)
-    def ready(self) -> dict[str, Any]:
+    def ready(self, call_deadline: float | None = None) -> dict[str, Any]:
+        """Identity and size; `call_deadline` is accepted as every call's, and needs no shedding here."""
         self.lease.touch()
         return {**MemoryShard.ready(self), "fingerprint": self.fingerprint}
 
-    def health(self) -> ShardHealth:
+    def health(self, call_deadline: float | None = None) -> ShardHealth:
         """What the shard is doing now, without its lock: which call holds it and for how long,
         whether the plan channel still serves, whether Redis answers (a short ping)."""
         self.lease.touch()

@@ -95,7 +95,23 @@ def _kill_one(url: str, name: str, victim: psutil.Process) -> Load:
           f"load during and after: {dict(statuses)}")
     assert set(statuses) <= {"200", "503"}, statuses
     assert last_failure is None or last_failure < BOUND_S, f"chats failed until {last_failure:.1f} s after the kill"
+    _healthy(url)
     return load
+
+
+def _healthy(url: str, within_s: float = 240.0) -> None:
+    """/health 200 again (the replacement replica up, the shard probed ok), each answer within 1 s."""
+    import requests
+
+    deadline = time.monotonic() + within_s
+    while True:
+        started = time.monotonic()
+        response = requests.get(url + "/health", timeout=10)
+        assert time.monotonic() - started < 1.0, "/health took over a second"
+        if response.status_code == 200:
+            return
+        assert time.monotonic() < deadline, response.text
+        time.sleep(1)
 
 
 def test_an_engine_core_kill_is_answered_by_the_shards_other_replica(pair: str) -> None:

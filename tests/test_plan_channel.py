@@ -309,3 +309,13 @@ def test_a_long_arena_path_gets_its_socket_in_a_folder_only_this_account_may_use
             plan_channel_address("/dev/shm/" + "b" * 120)
     finally:
         shutil.rmtree(tmp_path)
+
+
+def test_every_shard_call_the_client_makes_accepts_its_deadline() -> None:
+    """ShardClient passes call_deadline to every call; Ray checks it against the signature in the
+    caller (the probes included, which take no lock)."""
+    import inspect
+
+    public = [name for name in vars(MemoryShard) if not name.startswith("_") and callable(getattr(MemoryShard, name))]
+    for name in public:
+        assert "call_deadline" in inspect.signature(getattr(ShardActor, name)).parameters, name
