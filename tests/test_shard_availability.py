@@ -128,3 +128,13 @@ def test_a_chat_whose_replica_died_is_asked_again_and_only_then() -> None:
     with pytest.raises(HTTPException):
         asyncio.run(replica_calls.with_failover(attempt, enabled=False))
     assert len(made) == 1
+
+
+def test_the_running_replicas_are_counted_over_the_shards_once_each_was_polled() -> None:
+    """/health's llm_replicas.running: below `wanted` while Serve replaces a replica of a shard that
+    has others (the shard itself is not refused: another replica serves it)."""
+    shards = ShardAvailability(HANDLES)
+    shards.update(status(LLMReplica_0={"RUNNING": 2}))
+    assert shards.running_total() is None  # LLMReplica_1 not polled yet: not known
+    shards.update(status(LLMReplica_0={"RUNNING": 1, "STARTING": 1}, LLMReplica_1={"RUNNING": 2}))
+    assert shards.running_total() == 3 and shards.refusal(0) is None

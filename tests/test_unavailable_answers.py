@@ -86,3 +86,24 @@ def test_a_dead_actor_is_a_503_with_retry_after() -> None:
     answer = TestClient(api, raise_server_exceptions=False).get("/dead")
     assert answer.status_code == 503 and answer.headers["Retry-After"] == "5"
     assert answer.json()["error"]["type"] == "server_error"
+
+
+def test_no_vllm_exception_leaves_the_replica() -> None:
+    """A dead engine's exception crossing into the ingress made it import vLLM to unpickle it (11 s
+    of a stalled event loop on the CPU); the replica turns it into EngineUnavailable naming itself,
+    which the ingress answers 503 and a chat fails over on."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from serve_app.protocol import EngineUnavailable
+    from serve_app.replica.sampling import engine_errors_as_ours
+
+    with pytest.raises(EngineUnavailable) as raised:
+        with engine_errors_as_ours("replica-7"):
+            raise EngineDeadError()
+    assert raised.value.replica_id == "replica-7" and raised.value.__cause__ is None
+    answer = errors.http_error(raised.value)
+    assert answer is not None and answer.status_code == 503 and answer.headers == {"Retry-After": "5"}
+    import pickle
+
+    again = pickle.loads(pickle.dumps(raised.value))  # crosses Ray as it is
+    assert isinstance(again, EngineUnavailable) and again.replica_id == "replica-7"

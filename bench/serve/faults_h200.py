@@ -192,13 +192,17 @@ def context(handle: dict[str, Any], args: argparse.Namespace) -> serve_parts.Con
                                deadline=args.deadline)
 
 
-def healthy(handle: dict[str, Any], within_s: float) -> bool:
+def healthy(handle: dict[str, Any], within_s: float, all_replicas: bool = False) -> bool:
+    """/health 200 within `within_s`; with `all_replicas`, also every LLM replica Serve wants running
+    (a replica still starting serves nothing: a fault then would find its shard with no replica)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{handle['url']}/health", timeout=5).status_code == 200:
+            response = httpx.get(f"{handle['url']}/health", timeout=5)
+            replicas = response.json().get("llm_replicas") or {} if response.status_code == 200 else {}
+            if response.status_code == 200 and (not all_replicas or replicas.get("running") == replicas.get("wanted")):
                 return True
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(2)
     return False
@@ -331,6 +335,7 @@ def run(args: argparse.Namespace) -> None:
                 handle, service = start_service(args, result["run"]["fresh_starts"])
                 fresh = {"startup_s": handle["startup_s"], **seed(handle, args)}
             r = result[fault] = {"fresh_start": fresh} if fresh else {}
+            r["all_replicas_running"] = healthy(handle, 240.0, all_replicas=True)  # the fault meets the whole service
             try:
                 episode(fault, handle, args, r)
             except Exception as exc:  # the next fault still runs

@@ -38,6 +38,10 @@ class ChatAPI(Mem0Routes, CompletionRoutes):
         self.availability.ensure_polling()
         return self.availability.refusal(shard)
 
+    def _replicas_running(self) -> int | None:
+        self.availability.ensure_polling()
+        return self.availability.running_total()
+
     def _home_replica(self) -> DeploymentHandle:
         """For requests that touch no user's memory: the first shard's replica that is running."""
         self.availability.ensure_polling()

@@ -117,6 +117,10 @@ class ChatRoutes:
         """The replica for requests that touch no user's memory."""
         raise NotImplementedError
 
+    def _replicas_running(self) -> int | None:
+        """LLM replicas Serve runs now, over every shard (None: not known here)."""
+        return None
+
     # ------------------------------------------------------------------ routing
     async def _shard_of_user(self, user_id: str) -> int:
         try:
@@ -383,4 +387,6 @@ class ChatRoutes:
         failing = [f"redis: {redis_ok}"] if redis_ok != "ok" else []
         failing += [f"replica {i} {part}: {state}" for i, r in enumerate(replicas) for part, state in r.items() if state != "ok"]
         report = {"status": "ok" if not failing else "; ".join(failing), **report}
+        if (running := self._replicas_running()) is not None:  # below `wanted` while Serve replaces a replica
+            report["llm_replicas"] = {"running": running, "wanted": self.num_shards * self.settings.llm_replicas_per_shard}
         return JSONResponse(report, status_code=200 if not failing else 503)

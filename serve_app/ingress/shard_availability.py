@@ -31,6 +31,7 @@ class ShardAvailability:
         self.names = [(h.app_name, h.deployment_name) for h in handles]
         self.period_s = period_s
         self.down_since: dict[int, float] = {}
+        self.running: dict[int, int] = {}  # RUNNING replicas per shard's deployment, as last polled
         self._task: asyncio.Task | None = None
 
     def ensure_polling(self) -> None:
@@ -54,13 +55,17 @@ class ShardAvailability:
             overview = application.deployments.get(deployment) if application is not None else None
             if overview is None:
                 continue  # not deployed yet (start-up) or renamed: no opinion
-            running = _count(overview.replica_states, "RUNNING")
+            running = self.running[shard] = _count(overview.replica_states, "RUNNING")
             if running == 0:
                 if shard not in self.down_since:
                     logger.warning("shard %d: no running replica of %s; answering 503 until one runs", shard, deployment)
                 self.down_since.setdefault(shard, now)
             elif self.down_since.pop(shard, None) is not None:
                 logger.info("shard %d: %s is running again", shard, deployment)
+
+    def running_total(self) -> int | None:
+        """RUNNING replicas over every shard's deployment, once each has been polled (else None)."""
+        return sum(self.running.values()) if len(self.running) == len(self.names) else None
 
     def refusal(self, shard: int) -> HTTPException | None:
         """503 with Retry-After for a shard without a running replica, else None."""

@@ -34,6 +34,7 @@ from serve_app.ingress.routes import api
 from serve_app.replica.lifecycle import engine_dead
 from serve_app.replica.server import MemoryLLM
 from serve_app.settings import ServiceSettings
+from serve_app.ingress.shard_availability import ShardAvailability
 from serve_app.ingress.shard_router import UserShardRouter
 from serve_app.shard_routing import shard_hint
 
@@ -94,6 +95,7 @@ class ReplicaIngress(Mem0Routes, CompletionRoutes, MemoryLLM):
         self._init_routes(settings)
         self._local = LocalCalls(self)
         self._peers = serve.get_deployment_handle(context.deployment, app_name=context.app_name)
+        self.availability = ShardAvailability([self._peers])  # the deployment's RUNNING replicas, for /health
 
     def _replica(self, shard: int, avoid: str | None = None) -> Any:
         if shard == self.shard_id and avoid != self.replica_id:
@@ -101,6 +103,10 @@ class ReplicaIngress(Mem0Routes, CompletionRoutes, MemoryLLM):
                 return self._local
             avoid = self.replica_id  # its engine is down: the shard's other replicas answer
         return self._peers.options(session_id=shard_hint(shard, avoid))
+
+    def _replicas_running(self) -> int | None:
+        self.availability.ensure_polling()
+        return self.availability.running_total()
 
     def _home_replica(self) -> Any:
         return self._local

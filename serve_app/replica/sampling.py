@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from pydantic import ValidationError
 
 from serve_app.completion_protocol import CompletionRequest
-from serve_app.protocol import ChatCompletionRequest, ChoiceLogprobs, RequestRejected, TokenLogprob, TopLogprob
+from serve_app.protocol import ChatCompletionRequest, ChoiceLogprobs, EngineUnavailable, RequestRejected, TokenLogprob, TopLogprob
 
 # The fields vLLM turns into sampling parameters; max_tokens is decided by the replica.
 _SAMPLING_FIELDS = {
@@ -48,6 +48,21 @@ def refusals_as_rejections() -> Iterator[None]:
         yield
     except vllm_client_errors() as exc:
         raise RequestRejected(str(exc), param=getattr(exc, "parameter", None)) from None
+
+
+@contextmanager
+def engine_errors_as_ours(replica_id: str) -> Iterator[None]:
+    """No vLLM exception leaves the replica: the ingress would import vLLM (and torch) to unpickle
+    it, which held the CPU ingress's event loop for 11 s when an engine core was killed. A refusal
+    becomes RequestRejected (400), a dead engine EngineUnavailable naming this replica (503; a chat
+    goes on to the shard's other replicas)."""
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    try:
+        with refusals_as_rejections():
+            yield
+    except (EngineDeadError, EngineGenerateError) as exc:
+        raise EngineUnavailable(f"the engine of this replica is down ({type(exc).__name__}: {exc})", replica_id) from None
 
 
 @lru_cache(maxsize=1)

@@ -39,7 +39,7 @@ from serve_app.replica.lifecycle import engine_dead, start_backends
 from serve_app.replica.limits import TokenLimits
 from serve_app.replica.metrics import ReplicaMetrics
 from serve_app.replica.reconciliation import reconcile_and_add
-from serve_app.replica.sampling import refusals_as_rejections, sampling_params
+from serve_app.replica.sampling import engine_errors_as_ours, sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
 from serve_app.replica.text_completions import TextCompletions
 from serve_app.replica.shard_watchdog import ShardWatchdog
@@ -185,7 +185,7 @@ class MemoryLLM(TextCompletions):
         first_token_at: float | None = None
         timings: dict[str, float] | None = None  # final once the first token is in
         final, generated = None, Choices()
-        with self.chats_running.one(), refusals_as_rejections():  # e.g. a JSON schema the engine cannot compile: 400
+        with self.chats_running.one(), engine_errors_as_ours(self.replica_id):  # e.g. a JSON schema the engine cannot compile: 400
             async for output in self.engine.generate(prompt, params, request_id=f"chat-{uuid.uuid4().hex}", priority=CHAT_PRIORITY):
                 if first_token_at is None and output.outputs and output.outputs[0].token_ids:
                     first_token_at = clock.record("engine_ttft", start)
@@ -227,6 +227,10 @@ class MemoryLLM(TextCompletions):
     async def add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
         """Mem0 add: record turns, extract or take facts, reconcile extracted facts with the memory
         (serve_app.replica.reconciliation), store them, encode their KV."""
+        with engine_errors_as_ours(self.replica_id):  # extraction and reconciliation run on the engine
+            return await self._add_memory(request)
+
+    async def _add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
         self._ensure_driver()
         await asyncio.to_thread(self.limits.check_add, request)  # token bounds: a 400 before anything is stored
         user = request.user_id

@@ -17,7 +17,7 @@ from memory.composition import key_salt
 from serve_app.completion_protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from serve_app.protocol import NotFound
 from serve_app.replica.chat_responses import Choices, usage_of
-from serve_app.replica.sampling import completion_sampling_params, refusals_as_rejections
+from serve_app.replica.sampling import completion_sampling_params, engine_errors_as_ours
 from serve_app.replica.scheduling import CHAT_PRIORITY
 from serve_app.stage_timings import count_positive
 
@@ -31,6 +31,7 @@ class TextCompletions:
     settings: Any
     chats_running: Any
     metrics: Any  # serve_app.replica.metrics.ReplicaMetrics
+    replica_id: str
 
     async def _completion_outputs(self, request: CompletionRequest, cache_scope: str | None) -> AsyncIterator[tuple[Any, int]]:
         """(engine output, prompt tokens) as the engine produces them (cumulative outputs)."""
@@ -50,7 +51,7 @@ class TextCompletions:
         elif cache_scope:
             prompt["cache_salt"] = key_salt(self.settings.memory.redis_prefix, cache_scope)
         generated = Choices()
-        with self.chats_running.one(), refusals_as_rejections():
+        with self.chats_running.one(), engine_errors_as_ours(self.replica_id):
             async for output in self.engine.generate(prompt, params, request_id=f"cmpl-{uuid.uuid4().hex}", priority=CHAT_PRIORITY):
                 generated.update(output)
                 yield output, len(prompt_ids)
