@@ -11,6 +11,7 @@ from typing import Any
 
 from ray import serve
 
+from serve_app.card_plan import preflight, replica_actor_options
 from serve_app.ingress.router import ChatAPI
 from serve_app.replica.direct_ingress import direct_deployment
 from serve_app.replica.engine import check_engine_kwargs
@@ -23,9 +24,12 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
 
     Validates before anything is deployed: an unknown or misspelt key at any level of `args`
     raises pydantic's ValidationError naming it; an engine_kwargs name vLLM does not know raises
-    UnknownEngineArgument (a ValueError)."""
+    UnknownEngineArgument (a ValueError); where this machine has GPUs (or gpu.card_gib states one),
+    a memory plan that does not fit the card raises PlanRefused (a ValueError) naming the numbers
+    and the settings to change (serve_app.card_plan.preflight)."""
     settings = ServiceSettings.from_args(args)
     check_engine_kwargs(settings.engine)
+    preflight(settings)
     if not settings.redis_url:
         raise ValueError("redis_url (or REDIS_URL) is required: Redis holds the memory records and the user -> shard map")
     if settings.routing == "direct":
@@ -40,7 +44,7 @@ def llm_deployments(*, settings: ServiceSettings) -> list[serve.Application]:
             name=f"LLMReplica_{shard}",
             num_replicas=1,
             max_ongoing_requests=settings.llm_replica_max_ongoing_requests,
-            ray_actor_options={"num_cpus": settings.llm_replica_num_cpus, "num_gpus": settings.llm_replica_num_gpus},
+            ray_actor_options=replica_actor_options(settings),  # with the environment that keeps pools off the card
         ).bind(settings, shard)
         for shard in range(settings.llm_replicas)
     ]

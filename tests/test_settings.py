@@ -53,7 +53,8 @@ def test_shipped_serve_configs_are_valid_settings(config: str, monkeypatch: pyte
     assert app["import_path"] == "serve_app.app:build_app"
     settings = ServiceSettings.from_args(app["args"])
     if config == "config.gpu.yaml":
-        assert not settings.engine.enforce_eager and settings.memory.arena.device_pages > 0
+        assert not settings.engine.enforce_eager and settings.memory.arena.device_pages == "auto"
+        assert settings.engine.gpu_memory_utilization == "auto" and settings.gpu.sequence_tokens  # the card's memory plan sizes both
         assert settings.llm_replica_num_gpus + settings.shard_num_gpus <= 1 and settings.auth.mode == "keys"
         # what bench/serve/serve_h200.py found the GPU needs: events batched, no router hop, a full batch admitted
         assert settings.engine.stream_interval > 1 and settings.routing == "direct"

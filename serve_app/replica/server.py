@@ -27,8 +27,7 @@ from actors.plan_channel import PlanClient, plan_channel_address
 from actors.shard_client import ShardClient
 from memory.composition import key_salt, user_salt
 from memory.prompting import PromptLayout
-from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact
-from memory.records import MemoryHit
+from memory.records import FactEvent, FactRecord, MemoryHit, NewFact, Turn, UnknownFact
 from serve_app.memory_protocol import AddMemoryRequest
 from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, NotFound, RequestRejected
 from serve_app.ingress.errors import RefusalsAreNotFailures
@@ -43,6 +42,7 @@ from serve_app.replica.sampling import refusals_as_rejections, sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
 from serve_app.replica.text_completions import TextCompletions
 from serve_app.replica.shard_watchdog import ShardWatchdog
+from serve_app.replica.startup import ReplicaStart
 from serve_app.settings import ServiceSettings
 from serve_app.stage_timings import StageClock, count_positive as _count, stage_histogram
 
@@ -74,6 +74,7 @@ class MemoryLLM(TextCompletions):
     def __init__(self, settings: ServiceSettings, shard_id: int = 0) -> None:
         from transformers import AutoTokenizer  # the process boundary: module docstring
 
+        self.start = ReplicaStart()  # the start's phases and memory plan (serve_app.replica.startup)
         self.settings = settings
         self.shard_id = shard_id
         model = settings.resolved_model()
@@ -81,7 +82,7 @@ class MemoryLLM(TextCompletions):
         self.layout = PromptLayout(self.tokenizer, settings.memory.instruction, settings.memory.window_bridge, settings.memory.memory_closing)
         self.limits = TokenLimits(self.layout, settings)  # token bounds, checked before anything is stored or run
         kv_dtype = resolve_dtype(settings.engine)  # the shard's arena holds KV of the dtype engine_kwargs gives vLLM
-        actor, self.keeper = start_backends(settings, shard_id, model, kv_dtype)
+        actor, self.keeper = start_backends(settings, shard_id, model, kv_dtype, self.start)
         self.keeper.on_swap = lambda engine: setattr(self.driver, "engine", engine)
         self.shard = ShardClient(actor, timeout_s=settings.shard_call_timeout_s, plan_channel=self._plan_channel(settings, shard_id))
         self.watchdog = ShardWatchdog(self.shard, settings.health_timeout_s, settings.shard_restart_after_s)
@@ -130,7 +131,6 @@ class MemoryLLM(TextCompletions):
         self.keeper.watch()
         if self._driver_task is None or self._driver_task.done():
             self._driver_task = asyncio.get_running_loop().create_task(self.driver.run_forever())
-
 
     # ------------------------------------------------------------------ chat
     async def _prepare(self, request: ChatCompletionRequest, clock: StageClock) -> tuple[list[int], Any, Any]:
@@ -339,7 +339,7 @@ class MemoryLLM(TextCompletions):
             self._remember_stats(result)
         channel = self.shard.plan_channel
         # how this replica's chat plans travel: the shard's plan channel, and how many fell back to Ray
-        return {**result, "plan_channel": channel.address if channel else None, "plans_over_ray": self.shard.plans_over_ray}
+        return {**result, **self.start.report(), "plan_channel": channel.address if channel else None, "plans_over_ray": self.shard.plans_over_ray}
 
     def _remember_stats(self, stats: dict[str, Any]) -> None:
         self._last_stats, self._stats_at = stats, time.monotonic()
