@@ -1,6 +1,7 @@
 """A replica's start: its memory plan, its arena, what its engine gets, and the time of each phase.
 
-ReplicaStart is made first thing in the replica's constructor and filled as the start goes:
+ReplicaStart is made first thing in the replica's constructor and filled as the start goes (it
+also sets gpuplan.environment's variables the process lacks):
 
 - plan_memory: the card plan (serve_app.card_plan, gpuplan) before anything slow starts. The
   card is read with NVML (no CUDA context in the replica's process), or stated by gpu.card_gib;
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from gpuplan.card import stated_card, visible_card
-from gpuplan.environment import shard_env_vars
+from gpuplan.environment import gpu_env_vars, shard_env_vars
 from gpuplan.plan import MemoryPlan, PlanRefused, free_memory_refusal, plan_dict
 from serve_app.card_plan import plan_for
 
@@ -59,6 +60,11 @@ class ReplicaStart:
     """The start of one replica (module docstring)."""
 
     def __init__(self) -> None:
+        # The deployment's runtime_env sets these (serve_app.card_plan.replica_actor_options); a Serve
+        # `deployments:` entry's ray_actor_options replaces the builder's whole, so the replica also
+        # sets what is missing before anything imports JAX or starts the engine core (which inherits it).
+        for name, value in gpu_env_vars().items():
+            os.environ.setdefault(name, value)
         self.started = time.monotonic()
         self._last = self.started
         age = _process_age_s()
