@@ -44,6 +44,7 @@ def llm_deployments(*, settings: ServiceSettings) -> list[serve.Application]:
             name=f"LLMReplica_{shard}",
             num_replicas=1,
             max_ongoing_requests=settings.llm_replica_max_ongoing_requests,
+            max_constructor_retry_count=settings.replica_start_attempts,  # a failed start is reported, not repeated
             ray_actor_options=replica_actor_options(settings),  # with the environment that keeps pools off the card
         ).bind(settings, shard)
         for shard in range(settings.llm_replicas)

@@ -288,6 +288,15 @@ class ServiceSettings(BaseSettings):
     )
     llm_replica_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per LLM replica.")
     llm_replica_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per LLM replica (fractional allowed).")
+    replica_start_attempts: int = Field(
+        1,
+        gt=0,
+        description="Constructor attempts Ray Serve makes per LLM replica on the application's first deployment before "
+        "it marks the deployment DEPLOY_FAILED (its max_constructor_retry_count; Serve's own default is 3). A replica's "
+        "start fails for reasons another attempt does not change (a memory plan that does not fit the card, an engine "
+        "refused its memory, a wrong model path), so one attempt reports it at once (devtools.announce_ready then stops "
+        "`make serve` with the message). Replacements of a replica that ran are retried by Serve without this bound.",
+    )
     llm_replica_max_ongoing_requests: int = Field(
         64,
         gt=0,

@@ -58,6 +58,9 @@ def test_every_llm_replica_deployment_carries_the_environment(routing: str, clea
         assert options[name]["runtime_env"] == {"env_vars": EXPECTED}, name
         assert options[name]["num_gpus"] == 0.9
     assert "runtime_env" not in options.get("ChatAPI", {})
+    # a replica whose start fails (a plan that does not fit) is tried once, not 3 times, before DEPLOY_FAILED
+    attempts = {d.name: d._deployment_config.max_constructor_retry_count for d in built.deployments if d.name in replicas}
+    assert attempts == ({"LLMReplica": 2} if routing == "direct" else {"LLMReplica_0": 1, "LLMReplica_1": 1})
 
 
 def test_the_shard_actor_is_started_with_the_environment(clean_env: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -109,5 +109,6 @@ def direct_deployment(*, settings: ServiceSettings) -> serve.Application:
         num_replicas=settings.llm_replicas,
         max_ongoing_requests=settings.llm_replica_max_ongoing_requests,
         request_router_config=RequestRouterConfig(request_router_class=UserShardRouter),
+        max_constructor_retry_count=settings.replica_start_attempts * settings.llm_replicas,  # a failed start is reported
         ray_actor_options=replica_actor_options(settings),  # with the environment that keeps pools off the card
     ).bind(settings)
