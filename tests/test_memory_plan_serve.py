@@ -22,21 +22,35 @@ import pytest
 import yaml
 
 from devtools.local_redis import free_loopback_port
-from tests.serve_harness import running_service
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 FULL_CARD = {"card_gib": 24, "card_free_gib": 0.5, "free_wait_s": 0}  # 0.5 GiB of 24 free
 
 
-def test_a_start_without_the_memory_it_needs_ends_with_the_message_within_60_s(redis_server, smollm2_dir) -> None:
+def test_a_start_without_the_memory_it_needs_ends_with_the_message_within_60_s(redis_server, smollm2_dir, tmp_path: Path) -> None:
+    """As tests/serve_harness.running_service starts the service, with Serve's status read before Ray stops."""
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from tests.serve_harness import small_service_args
+
     started = time.monotonic()
-    with pytest.raises(RuntimeError) as failed:
-        with running_service(redis_server.url, smollm2_dir, "planrefused", gpu=FULL_CARD):
-            pass
-    elapsed = time.monotonic() - started
-    message = str(failed.value)
-    print(f"refused after {elapsed:.1f} s:\n{message[-1500:]}")
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": free_loopback_port()})
+        args = small_service_args(redis_server.url, smollm2_dir, "planrefused", str(tmp_path), gpu=FULL_CARD)
+        with pytest.raises(RuntimeError, match="Deploying application kvmem failed"):
+            serve.run(build_app(args), name="kvmem", route_prefix="/")
+        elapsed = time.monotonic() - started
+        status = serve.status().applications["kvmem"]
+        message = status.deployments["LLMReplica_0"].message
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(f"refused after {elapsed:.1f} s ({status.status}):\n{message[-2000:]}")
+    assert status.status == "DEPLOY_FAILED" and "failed to start 1 times" in message  # one attempt: replica_start_attempts
     assert "memory plan refused at start" in message and "0.5 GiB free of 24.0" in message
     assert "engine.max_num_seqs" in message and "memory.arena.device_pages" in message
     assert elapsed < 60

@@ -22,19 +22,20 @@ from pathlib import Path
 from typing import Any
 
 VLLM_LINES = re.compile(
-    r"(Model loading took|Loading weights took|init engine \(profile, create kv cache, warmup model\) took|"
-    r"torch\.compile take|Graph capturing finished|Memory profiling takes|Available KV cache memory|"
-    r"GPU KV cache size|Maximum concurrency|compile range|KV cache)"
+    r"(Started initializing replica|memory plan|started: process_to_constructor|Initializing a V1 LLM engine|"
+    r"Starting to load model|Initializing model took|Model loading took|Loading weights took|"
+    r"init engine \(profile, create kv cache, warmup model\) took|torch\.compile take|Graph capturing finished|"
+    r"Memory profiling takes|Available KV cache memory|KV cache size|Maximum concurrency)"
 )
 
 
 def vllm_start_lines(logs: Path) -> list[str]:
-    """vLLM's own phase lines from this Ray session's worker logs (the replica's engine core logs there)."""
+    """The replica's start lines and vLLM's own phase lines from this Ray session's logs (the engine core logs there)."""
     lines: list[str] = []
-    for path in sorted(logs.glob("worker-*")) if logs.is_dir() else []:
+    for path in sorted([*logs.glob("worker-*"), *logs.glob("serve/replica_*")]) if logs.is_dir() else []:
         for line in path.read_text(errors="replace").splitlines():
-            if VLLM_LINES.search(line) and "kvmem" not in line:
-                lines.append(re.sub(r"^.*?(INFO|WARNING) ", r"\1 ", line.strip())[:240])
+            if VLLM_LINES.search(line):
+                lines.append(line.strip()[:300])
     return lines
 
 

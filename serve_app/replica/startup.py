@@ -39,7 +39,9 @@ from serve_app.card_plan import plan_for
 if TYPE_CHECKING:
     from serve_app.settings import ServiceSettings
 
-logger = logging.getLogger(__name__)
+# A child of Serve's "ray.serve" logger: a replica's log file and the terminal of `serve run` show it (the
+# replica's root logger has no handler, so a plain module logger's INFO lines go nowhere)
+logger = logging.getLogger(f"ray.serve.{__name__}")
 
 
 class EngineStartFailed(RuntimeError):
