@@ -95,6 +95,50 @@ def test_make_serve_announces_the_app_once_its_health_says_ok() -> None:
         server.shutdown()
 
 
+def test_make_serve_reports_a_failed_deployment_from_serves_status(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """devtools.announce_ready.deploy_failure: Serve's application status (the dashboard's
+    /api/serve/applications/, what `serve status` reads) with Ray's token; None until DEPLOY_FAILED."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from devtools.announce_ready import deploy_failure
+
+    message = "memory plan refused: ... on a 24.0 GiB stated card ..."
+    states = iter(["DEPLOYING", "DEPLOY_FAILED"])
+    seen: list[str] = []
+
+    class Dashboard(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append(f"{self.path} {self.headers.get('Authorization')}")
+            state = next(states, "DEPLOY_FAILED")
+            deployments = {"LLMReplica": {"status": state if state == "DEPLOY_FAILED" else "UPDATING", "message": message}}
+            body = {"applications": {"kvmem": {"status": state, "message": "Failed to update the deployments ['LLMReplica'].",
+                                               "deployments": deployments}}}
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    (tmp_path / "token").write_text("tok-123\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "token"))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Dashboard)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        dashboard = f"http://127.0.0.1:{server.server_address[1]}"
+        assert deploy_failure(dashboard, "kvmem") is None  # still deploying
+        failure = deploy_failure(dashboard, "kvmem")
+        assert failure is not None and "Failed to update" in failure and f"LLMReplica: {message}" in failure
+        assert deploy_failure(dashboard, "other-app") is None
+        assert seen[0] == "/api/serve/applications/ Bearer tok-123"
+        assert deploy_failure("http://127.0.0.1:9", "kvmem") is None  # no dashboard (yet): no verdict
+    finally:
+        server.shutdown()
+
+
 def test_auto_dtype_is_float32_only_on_cpus_without_native_bf16() -> None:
     from serve_app.replica.engine import cpu_has_native_bf16
 
