@@ -43,6 +43,7 @@ from redis.exceptions import OutOfMemoryError, RedisError
 
 from actors.plan_channel import PlanServer, plan_channel_address
 from actors.shard_calls import PROBE_GROUP, CallExpired, ShardHealth
+from gpuplan.environment import gpu_env_vars
 from memory.chat_query import ChatQuery
 from memory.planner import ChatPlan
 from memory.records import StoreFull, StoreUnavailable
@@ -211,8 +212,11 @@ def start_shard_actor(
     num_gpus: float = 0.0,
     redis_password: str | None = None,
     orphan_timeout_s: float = 0.0,
+    env_vars: dict[str, str] | None = None,
 ) -> Any:
-    """The shard's actor handle (created on this node unless it already runs)."""
+    """The shard's actor handle (created on this node unless it already runs). Its environment keeps
+    JAX, TensorFlow and CuPy from pooling the card (gpuplan.environment; `env_vars`: the replica's
+    memory plan's, with CuPy capped at the shard's share)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -222,7 +226,7 @@ def start_shard_actor(
         **SHARD_ACTOR_OPTIONS,
         num_gpus=num_gpus,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env_vars or gpu_env_vars())}},
     )
     return actor.remote(
         shard_id, settings, model_dir, kv_dtype, redis_url, namespace, redis_password,

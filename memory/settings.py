@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from memory.prompting import DEFAULT_INSTRUCTION
 from memory.index import IndexSettings
@@ -21,9 +22,19 @@ class ArenaCapacity(BaseModel):
     num_pages: int = Field(4096, gt=0, description="Host-tier pages: the most fact tokens the shard keeps KV for.")
     max_entries: int = Field(8192, gt=0, description="Most facts (plus the instruction prefix) with KV at once.")
     max_pages_per_entry: int = Field(16, gt=0, description="Longest entry, in pages.")
-    device_pages: int = Field(
-        0, ge=0, description="GPU-tier (HBM) pages; 0 keeps fact KV in host memory only (CPU engines)."
+    device_pages: int | Literal["auto"] = Field(
+        "auto",
+        description="GPU-tier (HBM) pages of fact KV in the engine process; 0 keeps fact KV in host memory only. auto: "
+        "what the replica's memory plan leaves on the card, up to num_pages (0 for CPU engines); a number wins and is "
+        "checked against the card.",
     )
+
+    @field_validator("device_pages")
+    @classmethod
+    def _pages_not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("device_pages must be >= 0 or auto")
+        return value
 
 
 class ErasureSettings(BaseModel):

@@ -59,6 +59,7 @@ from memory.prompting import PromptLayout
 from memory.read_repair import ReadRepair
 from memory.retrieval import Retriever, store_turn_texts
 from memory.settings import MemorySettings
+from memory.start_clock import Laps
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class MemoryShard:
     ) -> None:
         from transformers import AutoTokenizer
 
+        lap = Laps()  # the start's phases, in ready() and stats()
         self.shard_id = shard_id
         self.settings = settings
         self.store = FactStore.from_url(
@@ -106,13 +108,16 @@ class MemoryShard:
             logger.warning("shard %d: replacing the arena at %s (geometry changed)", shard_id, self._arena_path)
             shutil.rmtree(self._arena_path)
             self.arena = FactArena.create(self._arena_path, geometry)
+        lap("redis_and_arena")
         self.layout = PromptLayout(AutoTokenizer.from_pretrained(model_dir), settings.instruction, settings.window_bridge, settings.memory_closing)
+        lap("tokenizer")
         embed_device = settings.embedding_device
         if embed_device == "auto":
             import torch
 
             embed_device = "cuda" if torch.cuda.is_available() else "cpu"
         self.embedder = Embedder(settings.embedding_model, device=embed_device)
+        lap("embedder")
         self.index = build_index(settings.index, self.embedder.dim)
         self.retrieval = Retriever(settings.retrieval, self.index, store_turn_texts(self.store))  # + keyword index
         self.kv = FactKVLifecycle(
@@ -136,7 +141,9 @@ class MemoryShard:
         self._redis_memory: tuple[float, dict[str, Any]] = (-REDIS_MEMORY_EVERY_S, {})  # (read at, report)
         self.read_repair = ReadRepair(self)  # users whose last write's Redis call failed (module docstring)
         self.compactor = RedisCompactor(self.store.r, self.store.keys.erasure_pending(), settings.erasure, name=f"shard {shard_id}")
-        self._rebuild()
+        self._rebuild()  # Redis reads and the index's build (index_graph_build_s: CAGRA's share of it)
+        lap("rebuild")
+        self.start_phases = {**lap.total(), "index_graph_build_s": round(getattr(self.index, "stats", {}).get("last_build_s", 0.0), 2)}
         self.compactor.resume()  # a rewrite a previous incarnation owed
 
     # ================================================================== start-up
@@ -154,10 +161,8 @@ class MemoryShard:
                 self.kv.track(record)
             n += len(rows)
         arena = self.kv.adopt_arena(self.store.encoded_behind(list(self.facts)))
-        logger.info(
-            "shard %d rebuilt %d facts of %d users from Redis in %.2fs; arena: %s",
-            self.shard_id, n, len(users), time.perf_counter() - start, arena,
-        )  # fmt: skip
+        logger.info("shard %d rebuilt %d facts of %d users from Redis in %.2fs; arena: %s",
+                    self.shard_id, n, len(users), time.perf_counter() - start, arena)
 
     def _window_of(self, state: FactKV) -> list[Turn]:
         return self.store.window_before(state.user_id, state.source_id, self.settings.window_turns)
@@ -183,7 +188,7 @@ class MemoryShard:
         return str(self._arena_path)
 
     def ready(self) -> dict[str, Any]:
-        return {"shard": self.shard_id, "facts": len(self.facts), "arena": self.arena_path(), "pid": os.getpid()}
+        return {"shard": self.shard_id, "facts": len(self.facts), "arena": self.arena_path(), "pid": os.getpid(), "start_phases": self.start_phases}
 
     def health(self) -> str:
         """"ok", or what is wrong (Redis unreachable): the shard's half of the replica's health report."""
@@ -378,6 +383,7 @@ class MemoryShard:
             "encode_failures": self.kv.failures(),  # the first ones: fact id, attempts, reason
             **usage,
             "redis_memory": self.redis_memory(),
+            "shard_start_phases": self.start_phases,  # this incarnation's start (memory.start_clock)
         }
 
     def redis_memory(self) -> dict[str, Any]:

@@ -18,8 +18,23 @@ if [ -z "${REDIS_URL:-}" ]; then
   export REDIS_URL
   echo "local Redis at $REDIS_URL"
 fi
-# `serve run` says only that it submitted the config; this says when the app answers /health
-"$VENV/bin/python" -m devtools.announce_ready --config "$CONFIG" &
+# `serve run`, with Ctrl-C's default restored: a script's background job ignores SIGINT, and Python
+# keeps an ignored SIGINT ignored, so without this Ctrl-C would not reach it
+"$VENV/bin/python" -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
+  "$VENV/bin/serve" run "$CONFIG" &
+SERVE_PID=$!
+# `serve run` says only that it submitted the config; this says when the app answers /health, or,
+# when the application failed to deploy (a memory plan that does not fit the card, ...), prints
+# Serve's message and stops `serve run` (exit 2): a start that cannot succeed ends instead of idling
+"$VENV/bin/python" -m devtools.announce_ready --config "$CONFIG" --serve-pid "$SERVE_PID" &
 ANNOUNCER_PID=$!
-trap 'kill $ANNOUNCER_PID ${REDIS_PID:-} 2>/dev/null || true' EXIT
-"$VENV/bin/serve" run "$CONFIG"
+trap 'kill -0 $SERVE_PID 2>/dev/null && kill -INT $SERVE_PID && wait $SERVE_PID; kill $ANNOUNCER_PID ${REDIS_PID:-} 2>/dev/null || true' EXIT
+trap 'wait $SERVE_PID; exit 130' INT  # Ctrl-C reached serve run too: let its own shutdown finish
+rc=0
+wait "$SERVE_PID" || rc=$?
+if ! kill -0 "$ANNOUNCER_PID" 2>/dev/null; then  # the announcer ended: healthy (0), failed to deploy (2)
+  arc=0
+  wait "$ANNOUNCER_PID" || arc=$?
+  [ "$arc" -eq 0 ] || rc=$arc
+fi
+exit "$rc"

@@ -12,6 +12,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from serve_app.card_plan import preflight, replica_actor_options
 from serve_app.ingress.router import ChatAPI
 from serve_app.ingress.shard_router import UserShardRouter
 from serve_app.replica.direct_ingress import direct_deployment
@@ -25,9 +26,12 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
 
     Validates before anything is deployed: an unknown or misspelt key at any level of `args`
     raises pydantic's ValidationError naming it; an engine_kwargs name vLLM does not know raises
-    UnknownEngineArgument (a ValueError)."""
+    UnknownEngineArgument (a ValueError); where this machine has GPUs (or gpu.card_gib states one),
+    a memory plan that does not fit the card raises PlanRefused (a ValueError) naming the numbers
+    and the settings to change (serve_app.card_plan.preflight)."""
     settings = ServiceSettings.from_args(args)
     check_engine_kwargs(settings.engine)
+    preflight(settings)
     if not settings.redis_url:
         raise ValueError("redis_url (or REDIS_URL) is required: Redis holds the memory records and the user -> shard map")
     if settings.routing == "direct":
@@ -44,7 +48,8 @@ def llm_deployments(*, settings: ServiceSettings) -> list[serve.Application]:
             # UserShardRouter: a chat passed on from a replica whose engine is down avoids that replica
             request_router_config=RequestRouterConfig(request_router_class=UserShardRouter),
             max_ongoing_requests=settings.llm_replica_max_ongoing_requests,
-            ray_actor_options={"num_cpus": settings.llm_replica_num_cpus, "num_gpus": settings.llm_replica_num_gpus},
+            max_constructor_retry_count=settings.replica_start_attempts,  # a failed start is reported, not repeated
+            ray_actor_options=replica_actor_options(settings),  # with the environment that keeps pools off the card
         ).bind(settings, shard)
         for shard in range(settings.llm_replicas)
     ]

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from gpuplan.settings import GpuPlanSettings
 from memory.settings import MemorySettings
 from serve_app.memory_protocol import MAX_FACT_CHARS, MAX_FACTS_PER_ADD, MAX_TURN_CHARS, MAX_TURNS_PER_ADD
 
@@ -98,8 +99,20 @@ class EngineSettings(BaseModel):
     )
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
     cpu_kv_cache_space_gib: int = Field(2, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU platforms.")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take.")
+    gpu_memory_utilization: float | Literal["auto"] = Field(
+        "auto",
+        description="vLLM's share of the card's TOTAL memory (its gpu_memory_utilization). auto: the replica's memory plan "
+        "(gpuplan.plan, docs/gpu.md) sizes it from the card, the model and the other parts on the card; a number is used "
+        "as it is and checked against the card at start. Ignored by CPU engines.",
+    )
     max_num_seqs: int = Field(64, gt=0, description="Most sequences the engine schedules at once.")
+    cuda_graph_sizes: list[int] | None = Field(
+        None,
+        description="Batch sizes vLLM captures CUDA graphs for (compilation_config.cudagraph_capture_sizes) when "
+        "enforce_eager is off. None: 1, 2, 4, 8, then every 16 to 64 and every 32 up to max_num_seqs, the decode "
+        "batches this engine can run, instead of vLLM's ~50 sizes up to twice max_num_seqs (fewer graphs to capture at "
+        "every start). An engine_kwargs.compilation_config of the user's wins.",
+    )
     max_num_batched_tokens: int | None = Field(
         None,
         gt=0,
@@ -263,6 +276,9 @@ class ServiceSettings(BaseSettings):
         "every streamed event, so one replica caps a GPU's QPS (bench/serve/serve_h200.py); config.gpu.yaml runs 4.",
     )
     memory: MemorySettings = Field(default_factory=MemorySettings)
+    gpu: GpuPlanSettings = Field(
+        default_factory=GpuPlanSettings, description="How the replica's memory plan reads and splits its card (gpuplan)."
+    )
     auth: AuthSettings = Field(default_factory=AuthSettings)
     max_body_bytes: int = Field(
         8 * 2**20,
@@ -282,6 +298,15 @@ class ServiceSettings(BaseSettings):
     )
     llm_replica_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per LLM replica.")
     llm_replica_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per LLM replica (fractional allowed).")
+    replica_start_attempts: int = Field(
+        1,
+        gt=0,
+        description="Constructor attempts Ray Serve makes per LLM replica on the application's first deployment before "
+        "it marks the deployment DEPLOY_FAILED (its max_constructor_retry_count; Serve's own default is 3). A replica's "
+        "start fails for reasons another attempt does not change (a memory plan that does not fit the card, an engine "
+        "refused its memory, a wrong model path), so one attempt reports it at once (devtools.announce_ready then stops "
+        "`make serve` with the message). Replacements of a replica that ran are retried by Serve without this bound.",
+    )
     llm_replica_max_ongoing_requests: int = Field(
         64,
         gt=0,

@@ -5,6 +5,7 @@ By AST over every production module, imports inside functions and under TYPE_CHE
 - the ingress package (serve_app/ingress/) imports neither torch, vLLM nor redis-py (Redis is
   reached through memory.directory and memory.key_store);
 - the memory domain (memory/) imports neither Ray nor vLLM; kvarena/ imports neither;
+- the card's memory plan (gpuplan/) imports none of torch, vLLM, Ray or the project's other rooms;
 - no import circles between the project's modules;
 - no module over 400 lines; every module says its role;
 - docs/architecture.md names every production module by its path, and every path it names exists.
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PRODUCT = ["serve_app", "actors", "memory", "kvarena", "connector", "devtools", "loadtest"]
+PRODUCT = ["serve_app", "actors", "memory", "kvarena", "connector", "gpuplan", "devtools", "loadtest"]
 PACKAGES = [*PRODUCT, "bench"]
 
 
@@ -76,6 +77,12 @@ def test_the_ingress_package_imports_neither_torch_vllm_nor_redis(top: str) -> N
 @pytest.mark.parametrize("top", ["ray", "vllm"])
 def test_memory_and_kvarena_import_neither_ray_nor_vllm(top: str) -> None:
     assert sorted(importers_of(top, ["memory", "kvarena"])) == []
+
+
+@pytest.mark.parametrize("top", ["torch", "vllm", "ray", "transformers", "serve_app", "actors", "memory", "kvarena", "connector"])
+def test_the_card_plan_imports_no_implementation(top: str) -> None:
+    """gpuplan/ is pure: the builder, the replica and the shard import it without loading anything."""
+    assert sorted(importers_of(top, ["gpuplan"])) == []
 
 
 def project_graph() -> dict[str, set[str]]:

@@ -126,6 +126,11 @@ def test_memory_add_search_chat_update_delete(served_app: str) -> None:
     shards = requests.get(f"{served_app}/v1/shards", timeout=60).json()["results"]
     assert len(shards) == 2 and sum(s["facts"] for s in shards) == 1
     assert {s["index_backend"] for s in shards} == {"ExactIndex on cpu"}  # what the config asked for
+    for shard in shards:  # each replica's start, phase by phase, and its memory plan (none: a CPU engine)
+        phases = shard["start_phases"]
+        assert phases["engine_s"] > 0 and phases["constructor_total_s"] >= phases["shard_and_engine_s"] > 0
+        assert phases["shard"]["embedder_s"] > 0 and shard["shard_start_phases"]["total_s"] > 0
+        assert "no GPU" in shard["memory_plan"]["none"]
 
 
 def test_add_from_messages_extracts_facts_with_the_served_model(served_app: str) -> None:

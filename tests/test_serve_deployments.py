@@ -23,9 +23,11 @@ from ray.serve._private.application_state import override_deployment_info
 from ray.serve._private.build_app import build_app as build_serve_app
 from ray.serve.schema import ServeApplicationSchema
 
+from gpuplan.environment import gpu_env_vars
 from serve_app.app import build_app
 
 REPO = Path(__file__).resolve().parent.parent
+GPU_ENV = {"env_vars": gpu_env_vars()}  # the builder's environment for the replicas (tests/test_gpu_environment.py)
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +77,7 @@ def test_the_deployments_are_named_as_the_readme_says() -> None:
 def test_a_deployments_entry_overrides_what_the_args_set() -> None:
     args = {"llm_replicas": 2, "ingress_replicas": 2, "llm_replica_num_gpus": 0.5, "llm_replica_max_ongoing_requests": 64}
     plain = deployment_infos(args)
-    assert options(plain["LLMReplica_1"]) == (1, 64, {"num_cpus": 1.0, "num_gpus": 0.5})
+    assert options(plain["LLMReplica_1"]) == (1, 64, {"num_cpus": 1.0, "num_gpus": 0.5, "runtime_env": GPU_ENV})
     assert options(plain["ChatAPI"])[0] == 2
     infos = overridden(
         args,
@@ -86,7 +88,7 @@ def test_a_deployments_entry_overrides_what_the_args_set() -> None:
     )
     assert options(infos["ChatAPI"])[:2] == (4, 500)
     assert options(infos["LLMReplica_1"]) == (1, 256, {"num_cpus": 2, "num_gpus": 1})
-    assert options(infos["LLMReplica_0"]) == (1, 64, {"num_cpus": 1.0, "num_gpus": 0.5})  # not named: the args' options
+    assert options(infos["LLMReplica_0"]) == (1, 64, {"num_cpus": 1.0, "num_gpus": 0.5, "runtime_env": GPU_ENV})  # not named: the args' options
 
 
 def test_ray_actor_options_in_the_config_replace_the_builders_whole() -> None:

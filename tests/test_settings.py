@@ -53,7 +53,8 @@ def test_shipped_serve_configs_are_valid_settings(config: str, monkeypatch: pyte
     assert app["import_path"] == "serve_app.app:build_app"
     settings = ServiceSettings.from_args(app["args"])
     if config == "config.gpu.yaml":
-        assert not settings.engine.enforce_eager and settings.memory.arena.device_pages > 0
+        assert not settings.engine.enforce_eager and settings.memory.arena.device_pages == "auto"
+        assert settings.engine.gpu_memory_utilization == "auto" and settings.gpu.sequence_tokens  # the card's memory plan sizes both
         assert settings.llm_replica_num_gpus + settings.shard_num_gpus <= 1 and settings.auth.mode == "keys"
         # what bench/serve/serve_h200.py found the GPU needs: events batched, no router hop, a full batch admitted
         assert settings.engine.stream_interval > 1 and settings.routing == "direct"
@@ -90,6 +91,50 @@ def test_make_serve_announces_the_app_once_its_health_says_ok() -> None:
         url = f"http://127.0.0.1:{server.server_address[1]}/health"
         assert wait_until_healthy(url, timeout_s=20, poll_s=0.05) == {"status": "ok", "redis": "ok"}
         assert wait_until_healthy("http://127.0.0.1:9/health", timeout_s=0.3, poll_s=0.05) is None  # nothing listens
+    finally:
+        server.shutdown()
+
+
+def test_make_serve_reports_a_failed_deployment_from_serves_status(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """devtools.announce_ready.deploy_failure: Serve's application status (the dashboard's
+    /api/serve/applications/, what `serve status` reads) with Ray's token; None until DEPLOY_FAILED."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from devtools.announce_ready import deploy_failure
+
+    message = "memory plan refused: ... on a 24.0 GiB stated card ..."
+    states = iter(["DEPLOYING", "DEPLOY_FAILED"])
+    seen: list[str] = []
+
+    class Dashboard(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append(f"{self.path} {self.headers.get('Authorization')}")
+            state = next(states, "DEPLOY_FAILED")
+            deployments = {"LLMReplica": {"status": state if state == "DEPLOY_FAILED" else "UPDATING", "message": message}}
+            body = {"applications": {"kvmem": {"status": state, "message": "Failed to update the deployments ['LLMReplica'].",
+                                               "deployments": deployments}}}
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    (tmp_path / "token").write_text("tok-123\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "token"))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Dashboard)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        dashboard = f"http://127.0.0.1:{server.server_address[1]}"
+        assert deploy_failure(dashboard, "kvmem") is None  # still deploying
+        failure = deploy_failure(dashboard, "kvmem")
+        assert failure is not None and "Failed to update" in failure and f"LLMReplica: {message}" in failure
+        assert deploy_failure(dashboard, "other-app") is None
+        assert seen[0] == "/api/serve/applications/ Bearer tok-123"
+        assert deploy_failure("http://127.0.0.1:9", "kvmem") is None  # no dashboard (yet): no verdict
     finally:
         server.shutdown()
 

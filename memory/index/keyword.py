@@ -30,22 +30,26 @@ from memory.index.base import SearchHit
 __all__ = ["KeywordIndex", "Tokenizer"]
 
 _WORD = re.compile(r"(?u)\b\w\w+\b")
+_OPTIONAL_BACKENDS = ("numba", "jax")  # kept out of bm25s' import (_bm25s)
 
 
 def _bm25s() -> Any:
-    """Import bm25s without its optional numba backend (this index uses the numpy one): importing
-    numba loads llvmlite, whose ffi object breaks vLLM's scan of sys.modules when an engine is
-    built later in the same process (vllm/triton_utils/dispatcher.py: AttributeError)."""
+    """Import bm25s without its optional backends (this index uses the numpy one and calls get_scores,
+    never bm25s' top-k selection): importing numba loads llvmlite, whose ffi object breaks vLLM's scan
+    of sys.modules when an engine is built later in the same process (vllm/triton_utils/dispatcher.py:
+    AttributeError); and bm25s/selection.py imports jax.lax when JAX is installed and runs a top-k on
+    import, which makes JAX take its device: 75% of a GPU by default (issue 34, measured on an H100:
+    the shard went from 0.6 to 60 GiB). A name set to None in sys.modules makes its import fail."""
     if "bm25s" in sys.modules:
         return sys.modules["bm25s"]
-    mask = "numba" not in sys.modules
-    if mask:
-        sys.modules["numba"] = None  # type: ignore[assignment] # import numba -> ImportError
+    masked = [name for name in _OPTIONAL_BACKENDS if name not in sys.modules]
+    for name in masked:
+        sys.modules[name] = None  # type: ignore[assignment] # import numba / jax -> ImportError
     try:
         import bm25s
     finally:
-        if mask:
-            del sys.modules["numba"]
+        for name in masked:
+            del sys.modules[name]
     return bm25s
 
 

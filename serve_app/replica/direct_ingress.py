@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from serve_app.card_plan import replica_actor_options
 from serve_app.ingress.completion_routes import CompletionRoutes
 from serve_app.ingress.mem0_routes import Mem0Routes
 from serve_app.ingress.routes import api
@@ -144,5 +145,6 @@ def direct_deployment(*, settings: ServiceSettings) -> serve.Application:
         num_replicas=settings.llm_replicas * settings.llm_replicas_per_shard,
         max_ongoing_requests=settings.llm_replica_max_ongoing_requests,
         request_router_config=RequestRouterConfig(request_router_class=UserShardRouter),
-        ray_actor_options={"num_cpus": settings.llm_replica_num_cpus, "num_gpus": settings.llm_replica_num_gpus},
+        max_constructor_retry_count=settings.replica_start_attempts * settings.llm_replicas,  # a failed start is reported
+        ray_actor_options=replica_actor_options(settings),  # with the environment that keeps pools off the card
     ).bind(settings)

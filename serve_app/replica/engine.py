@@ -72,6 +72,13 @@ def prepare_environment(settings: EngineSettings) -> None:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def cuda_graph_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes worth a CUDA graph: 1, 2, 4, 8, every 16 to 64, every 32 beyond, and
+    max_num_seqs itself (vLLM pads a batch up to the next captured size; none runs larger)."""
+    sizes = [1, 2, 4, 8, 16, 32, 48, 64, *range(96, max_num_seqs, 32), max_num_seqs]
+    return sorted({size for size in sizes if size <= max_num_seqs})
+
+
 def engine_kwargs(settings: EngineSettings, model: str, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for vllm.LLM / AsyncEngineArgs."""
     kwargs: dict[str, Any] = dict(
@@ -82,8 +89,11 @@ def engine_kwargs(settings: EngineSettings, model: str, **overrides: Any) -> dic
         enable_prefix_caching=settings.enable_prefix_caching,
         max_num_seqs=settings.max_num_seqs,
         seed=settings.seed,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
     )
+    if settings.gpu_memory_utilization != "auto":  # auto: the replica's memory plan passes it (an override)
+        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if not settings.enforce_eager and "compilation_config" not in settings.engine_kwargs and not is_cpu_platform():
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": settings.cuda_graph_sizes or cuda_graph_sizes(settings.max_num_seqs)}
     if settings.stream_interval != 1:
         kwargs["stream_interval"] = settings.stream_interval
     if settings.load_format != "auto":

@@ -2,8 +2,8 @@
 
 Start-up (start_engine_and_shard): the replica starts (or finds) its MemoryShard actor and its
 vLLM engine. The engine only needs the shard's arena, which lives in shared memory and outlives
-both processes, so when the arena is already there (a restarted replica) the engine starts
-while the shard actor loads; on a first start it waits for the shard to create the arena. The
+both processes, so when the arena is already there the engine starts while the shard actor
+loads; start_backends creates it first (serve_app.replica.startup), so that is every start. The
 shard actor is detached (actors.shard_actor): it outlives its replicas, and a replica finds it
 by name; one that is dying (killed) is waited out until the name is free, one started with
 other settings is replaced.
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
+    from serve_app.replica.startup import ReplicaStart
     from serve_app.settings import ServiceSettings
 
 logger = logging.getLogger(__name__)
@@ -300,39 +301,49 @@ class EngineSlot:
 
 
 def start_backends(
-    settings: "ServiceSettings", shard_id: int, model: str, kv_dtype: str
+    settings: "ServiceSettings", shard_id: int, model: str, kv_dtype: str, start: "ReplicaStart | None" = None
 ) -> tuple[Any, EngineKeeper, EngineSlot]:
     """(shard actor, EngineKeeper over the engine, its slot) of a replica of shard `shard_id`: the
     engine pins under its claimed slot in the shard's arena, and the shard encodes into the
-    engine's context (encode_context_tokens = max_model_len)."""
+    engine's context (encode_context_tokens = max_model_len). The memory plan comes first and
+    sizes the engine and its HBM tier (serve_app.replica.startup; PlanRefused stops the start there)."""
     from actors.shard_actor import shard_fingerprint, start_shard_actor
     from connector.engine_config import kv_transfer_config
     from kvarena.arena import arena_geometry_for
     from serve_app.replica.engine import build_async_engine
+    from serve_app.replica.startup import ReplicaStart
 
+    start = start or ReplicaStart()
+    start.plan_memory(settings, model, kv_dtype)
     memory = settings.memory.model_copy(update={"encode_context_tokens": settings.engine.max_model_len})
     arena_path = memory.arena_path(settings.namespace, shard_id)
+    geometry = arena_geometry_for(model, kv_dtype, **memory.arena.model_dump(exclude={"device_pages"}))
+    start.prepare_arena(arena_path, geometry)  # the shard opens it: shard and engine start at once
 
     slot = EngineSlot(arena_path)
 
     def build_engine(path: str = str(arena_path)) -> Any:
-        connector = kv_transfer_config(path, device_pages=memory.arena.device_pages, engine_slot=slot.claim())
-        with one_engine_start_at_a_time(Path(memory.arena_dir), settings.engine_restart_timeout_s):
+        connector = kv_transfer_config(path, device_pages=start.device_pages(memory.arena.device_pages), engine_slot=slot.claim())
+        with one_engine_start_at_a_time(Path(memory.arena_dir), settings.engine_restart_timeout_s), start.explain_engine_failure():
             # encodes run below chats (priority scheduling)
-            return build_async_engine(settings.engine, model, kv_transfer_config=connector, scheduling_policy="priority")
+            return build_async_engine(settings.engine, model, kv_transfer_config=connector, scheduling_policy="priority",
+                                      **start.engine_overrides())
 
     actor, engine = start_engine_and_shard(
         lambda: start_shard_actor(
             shard_id, memory, model, kv_dtype, settings.redis_url, settings.namespace, settings.shard_num_gpus,
             redis_password=settings.redis_password_value(), orphan_timeout_s=settings.shard_orphan_timeout_s,
+            env_vars=start.shard_env(),
         ),
-        build_engine,
+        start.timed_call("engine", build_engine),
         arena_path,
-        arena_geometry_for(model, kv_dtype, **memory.arena.model_dump(exclude={"device_pages"})),
+        geometry,
         fingerprint=shard_fingerprint(memory, model, kv_dtype, settings.redis_url, settings.namespace),
     )
+    start.record_shard(actor)
     _retry_predecessors_jobs(actor, slot.slot)
     keeper = EngineKeeper(engine, build_engine, settings.engine_restart_timeout_s, settings.engine_max_restarts,
                           log_stats_interval_s=settings.engine.log_stats_interval_s,
                           restart_in_place=settings.llm_replicas_per_shard == 1, on_give_up=slot.release)
+    start.finish(shard_id)  # one log line: each phase of this start (also in the replica's stats())
     return actor, keeper, slot

@@ -26,8 +26,7 @@ from actors.plan_channel import PlanClient, plan_channel_address
 from actors.shard_client import ShardClient
 from memory.composition import key_salt, user_salt
 from memory.prompting import PromptLayout
-from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact
-from memory.records import MemoryHit
+from memory.records import FactEvent, FactRecord, MemoryHit, NewFact, Turn, UnknownFact
 from serve_app.memory_protocol import AddMemoryRequest
 from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, EngineUnavailable, NotFound, RequestRejected
 from serve_app.ingress.errors import RefusalsAreNotFailures
@@ -43,6 +42,7 @@ from serve_app.replica.sampling import engine_errors_as_ours, sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
 from serve_app.replica.text_completions import TextCompletions
 from serve_app.replica.shard_watchdog import ShardWatchdog
+from serve_app.replica.startup import ReplicaStart
 from serve_app.shard_routing import replica_metadata
 from serve_app.settings import ServiceSettings
 from serve_app.stage_timings import StageClock, count_positive as _count
@@ -73,6 +73,7 @@ class MemoryLLM(TextCompletions):
     def __init__(self, settings: ServiceSettings, shard_id: int = 0) -> None:
         from transformers import AutoTokenizer  # the process boundary: module docstring
 
+        self.start = ReplicaStart()  # the start's phases and memory plan (serve_app.replica.startup)
         self.settings = settings
         self.shard_id = shard_id
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -81,7 +82,7 @@ class MemoryLLM(TextCompletions):
         self.layout = PromptLayout(self.tokenizer, settings.memory.instruction, settings.memory.window_bridge, settings.memory.memory_closing)
         self.limits = TokenLimits(self.layout, settings)  # token bounds, checked before anything is stored or run
         kv_dtype = resolve_dtype(settings.engine)  # the shard's arena holds KV of the dtype engine_kwargs gives vLLM
-        actor, self.keeper, self.engine_slot = start_backends(settings, shard_id, model, kv_dtype)
+        actor, self.keeper, self.engine_slot = start_backends(settings, shard_id, model, kv_dtype, self.start)
         self.keeper.on_swap = lambda engine: setattr(self.driver, "engine", engine)
         self.shard = ShardClient(
             actor, timeout_s=settings.shard_call_timeout_s, plan_channel=self._plan_channel(settings, shard_id), engine_slot=self.engine_slot.slot or 0
@@ -115,7 +116,6 @@ class MemoryLLM(TextCompletions):
         self.keeper.watch()
         if self._driver_task is None or self._driver_task.done():
             self._driver_task = asyncio.get_running_loop().create_task(self.driver.run_forever())
-
 
     # ------------------------------------------------------------------ chat
     async def _prepare(self, request: ChatCompletionRequest, clock: StageClock) -> tuple[list[int], Any, Any]:
@@ -329,7 +329,7 @@ class MemoryLLM(TextCompletions):
         else:
             self._remember_stats(result)
         channel = self.shard.plan_channel  # how this replica's chat plans travel (None: through Ray)
-        return {**result, "plan_channel": channel.address if channel else None, "engine_slot": self.engine_slot.slot}
+        return {**result, **self.start.report(), "plan_channel": channel.address if channel else None, "engine_slot": self.engine_slot.slot}
 
     def _remember_stats(self, stats: dict[str, Any]) -> None:
         self._last_stats, self._stats_at = stats, time.monotonic()

@@ -1,0 +1,110 @@
+"""The service's start, phase by phase, on this machine: Ray and Serve, then the application until it
+answers (serve.run returns), with the replica's own phases from /v1/shards (`start_phases`: tokenizer,
+memory plan, arena, shard and engine together, the engine's build, the shard's Redis rebuild,
+embedder, index) and vLLM's own start lines from the Ray logs.
+
+    python -m bench.serve.start_phases [--repeats 2] [--out bench/results/start_phases_cpu.json]
+
+Each repeat is a first start: a fresh arena folder, a fresh Redis prefix (nothing to rebuild), Ray
+started anew. Run it under the machine's heavy-work lock; it prints a table and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+VLLM_LINES = re.compile(
+    r"(Started initializing replica|memory plan|started: process_to_constructor|Initializing a V1 LLM engine|"
+    r"Starting to load model|Initializing model took|Model loading took|Loading weights took|"
+    r"init engine \(profile, create kv cache, warmup model\) took|torch\.compile take|Graph capturing finished|"
+    r"Memory profiling takes|Available KV cache memory|KV cache size|Maximum concurrency)"
+)
+
+
+def vllm_start_lines(logs: Path) -> list[str]:
+    """The replica's start lines and vLLM's own phase lines from this Ray session's logs (the engine core logs there)."""
+    lines: list[str] = []
+    for path in sorted([*logs.glob("worker-*"), *logs.glob("serve/replica_*")]) if logs.is_dir() else []:
+        for line in path.read_text(errors="replace").splitlines():
+            if VLLM_LINES.search(line):
+                lines.append(line.strip()[:300])
+    return lines
+
+
+def one_start(redis_url: str, model_dir: Path, namespace: str) -> dict[str, Any]:
+    import ray
+    import requests
+    from ray import serve
+
+    from devtools.local_redis import free_loopback_port
+    from serve_app.app import build_app
+    from tests.serve_harness import small_service_args
+
+    port = free_loopback_port()
+    arena_dir = tempfile.mkdtemp(prefix=f"kvmem-{namespace}-", dir="/dev/shm")
+    t0 = time.monotonic()
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    t1 = time.monotonic()
+    try:
+        serve.run(build_app(small_service_args(redis_url, model_dir, namespace, arena_dir)), name="kvmem", route_prefix="/")
+        t2 = time.monotonic()
+        shard = requests.get(f"http://127.0.0.1:{port}/v1/shards", timeout=30).json()["results"][0]
+        return {
+            "ray_and_serve_s": round(t1 - t0, 2),
+            "app_running_s": round(t2 - t1, 2),
+            "total_s": round(t2 - t0, 2),
+            "replica_start_phases": shard.get("start_phases"),
+            "memory_plan": shard.get("memory_plan"),
+            "vllm_lines": vllm_start_lines(Path(ray._private.worker._global_node.get_logs_dir_path())),  # this session's logs
+        }
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(arena_dir, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--label", default="this tree")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/start_phases_cpu.json"))
+    args = parser.parse_args()
+
+    from devtools.local_redis import LocalRedis
+    from devtools.offline_models import prepare_smollm2
+
+    model_dir = prepare_smollm2()
+    runs = []
+    with LocalRedis(Path(tempfile.mkdtemp(prefix="kvmem-start-redis-"))) as redis:
+        for i in range(args.repeats):
+            runs.append(one_start(redis.url, model_dir, f"start{i}-{int(time.time())}"))
+            print(json.dumps(runs[-1], indent=1), flush=True)
+    keys = ["ray_and_serve_s", "app_running_s", "total_s"]
+    phases = sorted({k for run in runs for k, v in (run["replica_start_phases"] or {}).items() if isinstance(v, (int, float))})
+    print(f"\nstart of the CPU service ({args.label}), median of {len(runs)} first starts")
+    print(f"{'phase':<36}{'seconds':>10}")
+    for key in keys:
+        print(f"{key:<36}{statistics.median(r[key] for r in runs):>10.2f}")
+    for key in phases:
+        values = [r["replica_start_phases"][key] for r in runs if key in (r["replica_start_phases"] or {})]
+        print(f"{'replica: ' + key:<36}{statistics.median(values):>10.2f}")
+    shard_keys = sorted({k for r in runs for k in ((r["replica_start_phases"] or {}).get("shard") or {})})
+    for key in shard_keys:
+        values = [r["replica_start_phases"]["shard"][key] for r in runs if key in r["replica_start_phases"]["shard"]]
+        print(f"{'shard: ' + key:<36}{statistics.median(values):>10.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"label": args.label, "command": "python -m bench.serve.start_phases", "runs": runs}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
