@@ -68,6 +68,7 @@ class PlanInputs:
     page_tokens: int = 16
     host_pages: int = 4096
     replicas_per_card: int = 1
+    replicas_per_shard: int = 1  # replicas sharing one shard (each slice carries its part of it)
     shard_on_card: bool = False
     settings: GpuPlanSettings = field(default_factory=GpuPlanSettings)
 
@@ -169,7 +170,7 @@ def plan_memory(card: Card, inputs: PlanInputs) -> MemoryPlan:
     kv_min = kv_tokens_min * kv_per_token
     engine_need = weights + activations + kv_min
     overhead = int((cfg.engine_overhead_gib if inputs.cuda_graphs else cfg.eager_overhead_gib) * GiB)
-    shard = int(cfg.shard_gib * GiB) if inputs.shard_on_card else 0
+    shard = int(cfg.shard_gib * GiB) // max(1, inputs.replicas_per_shard) if inputs.shard_on_card else 0
     margin = int(max(cfg.margin_floor_gib * GiB, cfg.margin_fraction * card.total_bytes)) // rpc
     explicit = []
     if inputs.gpu_memory_utilization is not None:

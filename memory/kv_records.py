@@ -1,6 +1,7 @@
 """The records of the fact-KV life cycle (memory.kv_lifecycle): what the shard knows about one
 fact's KV (FactKV), the capture jobs it hands out (EncodeJob) and how they end (EncodeOutcome),
-and the arena tag naming what an entry encodes (entry_tag). No Ray, no vLLM."""
+and the arena tag naming what an entry encodes (entry_tag); StoredFact, a fact record with its KV's
+state as the shard reports it. No Ray, no vLLM."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Collection
 
+from pydantic import Field
+
 from kvarena.arena import EntryRef
 from kvarena.params import EntryPlacement, KVMemoryParams
+from memory.records import FactRecord
 
 PREFIX_KEY = "__prefix__"  # the instruction prefix's arena entry, next to the facts'
 
@@ -63,3 +67,13 @@ class EncodeJob:
     def kv_transfer_params(self) -> dict[str, Any]:
         placement = EntryPlacement(entry=self.entry, generation=self.generation, start=self.start)
         return KVMemoryParams(capture=placement).to_kv_transfer_params()
+
+
+class StoredFact(FactRecord):
+    """A fact record with the state of its KV on the shard (what `GET /v1/memories/{id}` shows)."""
+
+    kv: str = Field(
+        "unknown", description="live | encoding | queued | failed (served as text, see kv_error) | evicted | unknown"
+    )
+    kv_error: str | None = Field(None, description="Why the fact's last encode failed.")
+    kv_attempts: int = Field(0, description="Failed encodes of this version of the fact.")

@@ -40,7 +40,6 @@ import time
 from typing import Any, Sequence
 
 import numpy as np
-from pydantic import Field
 
 from kvarena.arena import ArenaError, FactArena, arena_geometry_for
 from memory.composition import user_namespace, user_salt
@@ -53,6 +52,7 @@ from memory.fairness import EncodeBacklogFull
 from memory.records import FactEvent, FactRecord, MemoryHit, NewFact, Turn
 from memory.index import build_index
 from memory.kv_lifecycle import PREFIX_KEY, EncodeJob, EncodeOutcome, FactKV, FactKVLifecycle
+from memory.kv_records import StoredFact
 from memory.planner import ChatPlan, plan_chat
 from memory.quota import redis_memory_report
 from memory.prompting import PromptLayout
@@ -66,16 +66,6 @@ logger = logging.getLogger(__name__)
 REDIS_MEMORY_EVERY_S = 5.0  # Redis's INFO memory read at most this often (stats, every 10 s from the replica)
 
 __all__ = ["MemoryShard", "StoredFact", "ChatPlan", "ChatQuery", "MemoryHit", "EncodeJob", "PREFIX_KEY"]
-
-
-class StoredFact(FactRecord):
-    """A fact record with the state of its KV on the shard (what `GET /v1/memories/{id}` shows)."""
-
-    kv: str = Field(
-        "unknown", description="live | encoding | queued | failed (served as text, see kv_error) | evicted | unknown"
-    )
-    kv_error: str | None = Field(None, description="Why the fact's last encode failed.")
-    kv_attempts: int = Field(0, description="Failed encodes of this version of the fact.")
 
 
 class MemoryShard:

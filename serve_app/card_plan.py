@@ -6,8 +6,9 @@ replica (its plan at start: serve_app.replica.startup). No torch, no vLLM: the b
 - replica_actor_options: the Ray options of an LLM replica deployment (both topologies): its CPUs,
   its GPUs and the environment that keeps JAX, TensorFlow and CuPy from pooling the card
   (gpuplan.environment), which vLLM's engine-core subprocess inherits.
-- replicas_per_card: how many replicas Ray may pack onto one card (llm_replica_num_gpus plus the
-  shard's shard_num_gpus below 1): they split the card, each planning for its slice.
+- replicas_per_card: how many replicas Ray may pack onto one card (a shard's llm_replicas_per_shard
+  replicas of llm_replica_num_gpus each, plus the shard's shard_num_gpus, below 1): they split the
+  card, each planning for its slice (and its part of the shard it shares with its siblings).
 - plan_for: the plan of one replica on a card (gpuplan.plan.plan_memory) from the settings.
 - preflight: where the builder's machine has GPUs (NVML sees them), or gpu.card_gib states one,
   the plan is checked before anything deploys, so `serve run` stops at once with the refusal.
@@ -42,12 +43,14 @@ def replica_actor_options(settings: "ServiceSettings") -> dict[str, Any]:
 
 
 def replicas_per_card(settings: "ServiceSettings") -> int:
-    """Replicas that may share one card: 1 / (llm_replica_num_gpus + shard_num_gpus) when below one
-    card each (Ray packs fractional GPUs onto a card), at most llm_replicas."""
-    share = settings.llm_replica_num_gpus + settings.shard_num_gpus
+    """Replicas that may share one card: a shard's replicas and its shard take
+    llm_replicas_per_shard x llm_replica_num_gpus + shard_num_gpus; as many such shards as fit in
+    one card (Ray packs fractional GPUs onto a card), at most llm_replicas, each with its replicas."""
+    per_shard = settings.llm_replicas_per_shard
+    share = per_shard * settings.llm_replica_num_gpus + settings.shard_num_gpus
     if share <= 0 or settings.llm_replica_num_gpus >= 1:
         return 1
-    return max(1, min(settings.llm_replicas, math.floor(1 / share + 1e-9)))
+    return per_shard * max(1, min(settings.llm_replicas, math.floor(1 / share + 1e-9)))
 
 
 def tensor_parallel_size(settings: "ServiceSettings") -> int:
@@ -71,6 +74,7 @@ def plan_inputs(settings: "ServiceSettings", shape: ModelShape, dtype: str) -> P
         page_tokens=arena.page_tokens,
         host_pages=arena.num_pages,
         replicas_per_card=replicas_per_card(settings),
+        replicas_per_shard=settings.llm_replicas_per_shard,
         shard_on_card=settings.shard_num_gpus > 0,
         settings=settings.gpu,
     )

@@ -73,11 +73,14 @@ def test_the_shard_actor_is_started_with_the_environment(clean_env: None, monkey
     captured: dict = {}
 
     class Remote:
+        def __call__(self, cls):  # ray.remote(concurrency_groups=...)(ShardActor)
+            return self
+
         def options(self, **kwargs):
             captured.update(kwargs)
-            return types.SimpleNamespace(remote=lambda *args: ("handle", args))
+            return types.SimpleNamespace(remote=lambda *args, **kwargs: ("handle", args))
 
-    monkeypatch.setattr(ray, "remote", lambda cls: Remote())
+    monkeypatch.setattr(ray, "remote", lambda *cls, **groups: Remote())
     monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(get_node_id=lambda: "ab" * 28))
     shard_actor.start_shard_actor(0, MemorySettings(), "/m", "bfloat16", "redis://127.0.0.1:1/0", "ns", 0.1)
     env = captured["runtime_env"]["env_vars"]

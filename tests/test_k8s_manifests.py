@@ -263,7 +263,8 @@ def test_rayservice_runs_the_config_yaml_application_on_gpus(clean_env: None) ->
     assert cluster.http_options.host == "0.0.0.0", "Serve must listen on the pod address, not loopback"
     settings = ServiceSettings.from_args(app.args)
     assert settings.engine.dtype == "bfloat16"
-    assert settings.llm_replica_num_gpus + settings.shard_num_gpus == 1  # engine and shard share each GPU
+    # a shard's engines and the shard share each GPU
+    assert settings.llm_replicas_per_shard * settings.llm_replica_num_gpus + settings.shard_num_gpus == 1
     assert settings.redis_url is None, "the Redis address comes from REDIS_URL in the containers"
 
 

@@ -192,22 +192,24 @@ def test_config_gpu_yaml_fits_the_8b_shape_on_an_h100_and_an_h200(tmp_path: Path
 
     monkeypatch.delenv("REDIS_URL", raising=False)
     settings = ServiceSettings.from_args(gpu_yaml_args())
-    assert replicas_per_card(settings) == 1  # 0.9 + 0.1 of one card: the replica and its own shard
+    assert replicas_per_card(settings) == 2  # 2 x 0.45 + 0.1 of one card: the shard's two replicas and the shard
     model = model_folder(tmp_path, "llama31_8b")
     for gib in (H100, 139.8):
         plan = plan_for(settings, model, "bfloat16", card(gib))
-        assert plan.device_pages > 0 and plan.shard_bytes > 0 and plan.kv_tokens >= 256 * 1536
+        assert plan.device_pages > 0 and plan.shard_bytes > 0 and plan.kv_tokens >= settings.engine.max_num_seqs * 1536
     with pytest.raises(PlanRefused, match="24.0 GiB"):
         plan_for(settings, model, "bfloat16", card(24))
 
 
-@pytest.mark.parametrize(("llm", "shard", "replicas", "per_card"), [(0.9, 0.1, 1, 1), (0.4, 0.1, 2, 2), (0.45, 0.05, 1, 1),
-                                                                    (0.3, 0.0, 4, 3), (2, 0.0, 2, 1), (0, 0, 2, 1)])
-def test_replicas_per_card_follow_the_gpu_fractions(llm: float, shard: float, replicas: int, per_card: int) -> None:
+@pytest.mark.parametrize(("llm", "shard", "replicas", "per_shard", "per_card"), [
+    (0.9, 0.1, 1, 1, 1), (0.4, 0.1, 2, 1, 2), (0.45, 0.05, 1, 1, 1), (0.3, 0.0, 4, 1, 3), (2, 0.0, 2, 1, 1), (0, 0, 2, 1, 1),
+    (0.45, 0.1, 1, 2, 2), (0.2, 0.1, 2, 2, 4), (0.4, 0.1, 2, 2, 2),  # a shard's replicas share one shard on the card
+])
+def test_replicas_per_card_follow_the_gpu_fractions(llm: float, shard: float, replicas: int, per_shard: int, per_card: int) -> None:
     from serve_app.card_plan import replicas_per_card
     from serve_app.settings import ServiceSettings
 
-    settings = ServiceSettings(llm_replica_num_gpus=llm, shard_num_gpus=shard, llm_replicas=replicas)
+    settings = ServiceSettings(llm_replica_num_gpus=llm, shard_num_gpus=shard, llm_replicas=replicas, llm_replicas_per_shard=per_shard)
     assert replicas_per_card(settings) == per_card
 
 
