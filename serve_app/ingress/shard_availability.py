@@ -7,7 +7,8 @@ CPU (issue 26 measured 52 s), longer than a client should wait without an answer
 deployment has no RUNNING replica it answers 503 with Retry-After at once. The state is polled from
 the controller (`serve.status()`, in a thread, every `period_s`), not guessed from timeouts: a busy
 replica that answers slowly is never shed. Optimistic when the controller cannot be asked (a shard
-is "down" only on the controller's word).
+is "down" only on the controller's word). `answer_unless` gives up a call to a shard as soon as its
+replica is known to be down.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from fastapi import HTTPException
 
@@ -80,3 +81,18 @@ def _serve_status() -> Any:
 def _count(states: dict[Any, int], name: str) -> int:
     """The count of replicas in state `name` (keys are ReplicaState enums or their values)."""
     return sum(n for state, n in states.items() if getattr(state, "value", state) == name)
+
+
+async def answer_unless(call: Awaitable[Any], refusal: Callable[[], HTTPException | None], timeout_s: float) -> Any:
+    """`call`'s answer within `timeout_s` (asyncio.TimeoutError past it), given up with `refusal()`'s
+    error as soon as it has one (checked every second: a shard whose replica died meanwhile)."""
+    task, deadline = asyncio.ensure_future(call), asyncio.get_running_loop().time() + timeout_s
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=min(1.0, max(0.0, deadline - asyncio.get_running_loop().time())))
+        if done:
+            return task.result()
+        error = refusal() if asyncio.get_running_loop().time() < deadline else asyncio.TimeoutError()
+        if error is not None:
+            task.cancel()
+            getattr(call, "cancel", lambda: None)()  # a Serve response: cancel the request in the replica too
+            raise error

@@ -1,0 +1,215 @@
+"""Admission: token buckets and in-flight caps per key and per user, decided before a body is read.
+
+The RequestGate (serve_app.ingress.gate) asks `Admission.admit` once the key is known and before
+one byte of the body is received, so a refused request costs a dictionary look-up: no parse, no
+Redis, no Ray call. The class of a request (chats, writes, reads) comes from its method and path
+(`request_class`); its limits from `admission` (serve_app.client_limits.AdmissionSettings):
+
+- a key bound to one user spends that user's buckets (`per_user`) in the gate;
+- a key of several users spends its own buckets (`per_key`) in the gate, and the routes ask
+  `admit_user` for the user the parsed body names before any call to a replica;
+- chats and writes of one key running at once are capped (`max_engine_requests_per_key`,
+  `max_writes_per_key`);
+- admin keys (and everyone with `auth.mode: off`) are the operator's: not limited.
+
+A refusal is a 429 with `Retry-After` (whole seconds until a token is back, at least 1) and the
+setting that refused it. A key that comes back before the Retry-After it was told has its next
+refusal held (at most `refusal_hold_s`, at most `max_held_per_key` at once) before it is answered:
+a client that ignores Retry-After is paced to about one request per hold per connection instead
+of one per round trip. Holding costs a timer, not a parse.
+
+Several ingress processes (ChatAPI replicas, or LLM replicas with `routing: direct`) each keep
+their own buckets; `KeySpread` tells in how many of them a key was active lately (learned through
+Redis once per `sync_interval_s`: memory.ingress_presence), and each process grants 1/n of the
+key's rates, bursts and caps. A single ingress process has no KeySpread and asks Redis nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Protocol
+
+from memory.ingress_presence import IngressPresence
+from memory.key_store import Principal
+from serve_app.client_limits import AdmissionSettings, RateLimit
+from serve_app.settings import ServiceSettings
+
+RequestClass = Literal["chats", "writes", "reads"]
+CHAT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+ADD_PATHS = frozenset({"/v1/memories", "/v3/memories/add"})
+RUNNING_KIND = {"chats": "engine", "writes": "writes"}  # the in-flight cap each class counts against
+_IDLE_S = 120.0  # buckets untouched this long are full again: forgotten when the tables grow
+_MAX_ENTRIES = 100_000
+
+
+def request_class(verb: str, path: str) -> RequestClass:
+    """chats (they run on the engine), writes (memory adds, updates, deletes) or reads (the rest)."""
+    route = path.rstrip("/") or "/"
+    if verb == "POST" and route in CHAT_PATHS:
+        return "chats"
+    if (verb == "POST" and route in ADD_PATHS) or (verb in ("PUT", "DELETE") and route.startswith("/v1/memories")):
+        return "writes"
+    return "reads"
+
+
+class KeySpread(Protocol):
+    """In how many ingress processes each key was active lately (memory.ingress_presence)."""
+
+    def processes(self, key_id: str) -> int: ...
+
+    def note(self, key_id: str) -> None: ...
+
+
+class Refused(Exception):
+    """A 429: `message` names the limit; `retry_after_s` whole seconds; answered after `hold_s`;
+    `close`: answer with Connection: close (a key past its held refusals)."""
+
+    def __init__(self, message: str, code: str, retry_after_s: int, hold_s: float = 0.0, close: bool = False) -> None:
+        super().__init__(message)
+        self.message, self.code, self.retry_after_s, self.hold_s, self.close = message, code, retry_after_s, hold_s, close
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)} | ({"Connection": "close"} if self.close else {})
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    stamp: float
+    retry_at: float = 0.0  # when the last refusal told the caller to come back
+
+    def wait(self, limit: RateLimit, share: float, now: float) -> float:
+        """Seconds until a token is there (0: now), after refilling."""
+        rate, size = limit.per_s * share, max(1.0, limit.burst * share)
+        self.tokens = min(size, self.tokens + (now - self.stamp) * rate)
+        self.stamp = now
+        return 0.0 if self.tokens >= 1.0 else (1.0 - self.tokens) / rate
+
+
+@dataclass
+class Ticket:
+    """What an admitted request holds until it is answered (`Admission.release`)."""
+
+    running: tuple[str, str] | None = None
+    released: bool = field(default=False)
+
+
+class Admission:
+    """The buckets and counters of one ingress process (see the module docstring)."""
+
+    def __init__(self, settings: AdmissionSettings, spread: KeySpread | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.spread = spread
+        self._clock = clock
+        self._buckets: dict[tuple[str, str, str], _Bucket] = {}
+        self._running: Counter[tuple[str, str]] = Counter()
+        self._held: Counter[str] = Counter()
+
+    @classmethod
+    def of(cls, settings: ServiceSettings) -> "Admission":
+        """The admission of one ingress process of the service `settings` describe: with a KeySpread
+        when the service runs several ingress processes (ChatAPI replicas, or direct LLM replicas)."""
+        processes = settings.llm_replicas if settings.routing == "direct" else settings.ingress_replicas
+        spread = None
+        if processes > 1 and settings.admission.enabled and settings.redis_url:
+            spread = IngressPresence.from_url(
+                settings.redis_url, settings.memory.redis_prefix, settings.admission.sync_interval_s, settings.redis_password_value()
+            )
+        return cls(settings.admission, spread)
+
+    def limited(self, principal: Principal) -> bool:
+        return self.settings.enabled and not principal.is_admin
+
+    def admit(self, principal: Principal, kind: RequestClass) -> Ticket:
+        """A Ticket for a request of `kind` by `principal`, or Refused (see the module docstring)."""
+        if not self.limited(principal):
+            return Ticket()
+        key = principal.key_id
+        if self.spread is not None:
+            self.spread.note(key)
+        share = self._share(key)
+        running = (key, RUNNING_KIND[kind]) if kind in RUNNING_KIND else None
+        if running is not None:
+            cap = self._cap(running[1])
+            if self._running[running] >= max(1, math.floor(cap * share)):
+                what = "chats and completions" if kind == "chats" else "memory writes"
+                setting = "max_engine_requests_per_key" if kind == "chats" else "max_writes_per_key"
+                raise Refused(f"this key already has {self._running[running]} {what} running; at most {cap} at once "
+                              f"(admission.{setting}); retry when one is answered", "too_many_requests_in_flight", 1)
+        (user,) = principal.users if principal.users is not None and len(principal.users) == 1 else (None,)
+        scope = ("user", user, self.settings.per_user) if user is not None else ("key", key, self.settings.per_key)
+        self._take(scope[0], scope[1], kind, getattr(scope[2], kind), share, key)
+        if running is not None:
+            self._running[running] += 1
+        return Ticket(running)
+
+    def admit_user(self, principal: Principal, user_id: str, kind: RequestClass) -> None:
+        """The user's buckets, for a key of several users once the body named the user (Refused past them)."""
+        if not self.limited(principal) or principal.users is None or len(principal.users) < 2:
+            return  # one user: spent in admit(); admin: not limited
+        self._take("user", user_id, kind, getattr(self.settings.per_user, kind), self._share(principal.key_id), principal.key_id)
+
+    def release(self, ticket: Ticket) -> None:
+        if ticket.running is not None and not ticket.released:
+            ticket.released = True
+            self._running[ticket.running] -= 1
+            if self._running[ticket.running] <= 0:
+                del self._running[ticket.running]
+
+    def held(self, key_id: str) -> "_Hold":
+        """Counts a refusal of `key_id` being held (`async with`)."""
+        return _Hold(self._held, key_id)
+
+    # ------------------------------------------------------------------ internals
+    def _cap(self, kind: str) -> int:
+        return self.settings.max_engine_requests_per_key if kind == "engine" else self.settings.max_writes_per_key
+
+    def _share(self, key_id: str) -> float:
+        return 1.0 / max(1, self.spread.processes(key_id)) if self.spread is not None else 1.0
+
+    def _take(self, scope: str, name: str, kind: RequestClass, limit: RateLimit, share: float, key_id: str) -> None:
+        now = self._clock()
+        slot = (scope, name, kind)
+        bucket = self._buckets.get(slot)
+        if bucket is None:
+            if len(self._buckets) >= _MAX_ENTRIES:
+                self._forget_idle(now)
+            bucket = self._buckets[slot] = _Bucket(tokens=max(1.0, limit.burst * share), stamp=now)
+        wait = bucket.wait(limit, share, now)
+        if wait <= 0.0:
+            bucket.tokens -= 1.0
+            return
+        came_back_early = bucket.retry_at > now
+        hold = min(self.settings.refusal_hold_s, wait) if came_back_early else 0.0
+        close = hold > 0 and self._held[key_id] >= self.settings.max_held_per_key
+        if close:
+            hold = 0.0
+        bucket.retry_at = now + wait
+        retry_after = max(1, math.ceil(wait - hold))
+        whose = f"user {name!r}" if scope == "user" else "this key"
+        raise Refused(
+            f"{whose} may send {kind} at {limit.per_s:g} a second (bursts of {limit.burst}: admission.per_{scope}.{kind}); "
+            f"retry after {retry_after} s", "rate_limited", retry_after, hold, close,
+        )
+
+    def _forget_idle(self, now: float) -> None:
+        for slot in [s for s, b in self._buckets.items() if now - b.stamp > _IDLE_S]:
+            del self._buckets[slot]
+        if len(self._buckets) >= _MAX_ENTRIES:  # all busy: start over rather than grow without bound
+            self._buckets.clear()
+
+
+class _Hold:
+    def __init__(self, counter: Counter[str], key_id: str) -> None:
+        self.counter, self.key_id = counter, key_id
+
+    async def __aenter__(self) -> None:
+        self.counter[self.key_id] += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.counter[self.key_id] -= 1
+        if self.counter[self.key_id] <= 0:
+            del self.counter[self.key_id]
