@@ -38,7 +38,12 @@ MAX_SEARCH_RESULTS = 200
 
 def _bounded_metadata(value: dict[str, Any]) -> dict[str, Any]:
     bounded_depth(value, MAX_METADATA_DEPTH, "metadata")  # first: json.dumps recurses
-    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    try:  # NaN and Infinity parse (Python's json reads them) but no answer could carry them back
+        size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
+    except ValueError as exc:
+        raise ValueError("metadata holds NaN or Infinity, which JSON answers cannot carry") from exc
+    except UnicodeEncodeError as exc:
+        raise ValueError("metadata holds a lone surrogate (\\ud800-\\udfff), which is not text") from exc
     if size > MAX_METADATA_BYTES:
         raise ValueError(f"metadata of {size} bytes (compact JSON) exceeds {MAX_METADATA_BYTES}")
     return value
@@ -118,7 +123,7 @@ class SearchMemoryRequest(BaseModel):
     user_id: UserId
     query: str = Field(..., min_length=1, max_length=MAX_TURN_CHARS)
     limit: int = Field(10, gt=0, le=MAX_SEARCH_RESULTS)
-    threshold: float | None = Field(None, description="Leave out hits scoring below this.")
+    threshold: float | None = Field(None, allow_inf_nan=False, description="Leave out hits scoring below this.")
 
 
 class UpdateMemoryRequest(BaseModel):
@@ -187,7 +192,7 @@ class Mem0SearchRequest(BaseModel):
     query: str = Field(..., min_length=1, max_length=MAX_TURN_CHARS)
     filters: UserFilter
     top_k: int = Field(10, gt=0, le=MAX_SEARCH_RESULTS)
-    threshold: float | None = None
+    threshold: float | None = Field(None, allow_inf_nan=False)
 
     def as_search(self) -> SearchMemoryRequest:
         return SearchMemoryRequest(user_id=self.filters.user_id, query=self.query, limit=self.top_k, threshold=self.threshold)
@@ -200,11 +205,16 @@ def iso_time(epoch_s: float) -> str:
 
 
 def readable_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Stored metadata as an answer may carry it: None for a value deeper than MAX_METADATA_DEPTH,
-    which only versions before the bound could store (its serialization failed every read that
-    carried it; a PUT with new metadata replaces it)."""
+    """Stored metadata as an answer may carry it: None for a value deeper than MAX_METADATA_DEPTH or
+    holding NaN or Infinity, which only versions before these bounds could store (its serialization
+    failed every read that carried it; a PUT with new metadata replaces it)."""
     if value is not None and json_depth(value) > MAX_METADATA_DEPTH:
         logger.warning("a stored memory's metadata nests deeper than %d levels; answered as null", MAX_METADATA_DEPTH)
+        return None
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:  # NaN or Infinity, stored before they were refused: JSON answers cannot carry them
+        logger.warning("a stored memory's metadata holds NaN or Infinity; answered as null")
         return None
     return value
 

@@ -144,9 +144,15 @@ class JsonSchemaFormat(BaseModel):
     @field_validator("schema_")
     @classmethod
     def _bounded_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and (size := len(json.dumps(value).encode())) > MAX_SCHEMA_BYTES:
-            raise ValueError(f"the JSON schema holds {size} bytes; at most {MAX_SCHEMA_BYTES}")
-        return value if value is None else bounded_depth(value, MAX_SCHEMA_DEPTH, "the JSON schema")
+        if value is not None:
+            bounded_depth(value, MAX_SCHEMA_DEPTH, "the JSON schema")  # first: json.dumps recurses
+            try:
+                size = len(json.dumps(value, allow_nan=False).encode())
+            except ValueError as exc:
+                raise ValueError("the JSON schema holds NaN or Infinity") from exc
+            if size > MAX_SCHEMA_BYTES:
+                raise ValueError(f"the JSON schema holds {size} bytes; at most {MAX_SCHEMA_BYTES}")
+        return value
 
 
 class ResponseFormat(BaseModel):

@@ -34,7 +34,7 @@ def small_service_args(redis_url: str, model_dir: Path, namespace: str, arena_di
         "namespace": namespace,
         # admission on, but out of the way of tests about something else (tests/test_hostile_serve.py sets its own)
         "admission": {"per_user": {kind: {"per_s": 1000, "burst": 1000} for kind in ("chats", "writes", "reads")},
-                      "max_engine_requests_per_key": 64, "max_writes_per_key": 64},
+                      "max_engine_requests_per_key": 64, "max_writes_per_key": 64, "refusal_hold_s": 0},
         "memory": {
             "window_turns": 2,
             "encode_neighbours": 2,  # short encode prompts, like the window: 2 CPU cores serve every test

@@ -282,3 +282,20 @@ def test_a_deep_body_is_refused_naming_the_field_before_parsing(clock: Clock) ->
     assert sent[0]["status"] == 400 and downstream.calls == 0
     assert error["code"] == "nested_too_deep" and error["param"].startswith("metadata.a.0")
     assert "1002 levels" in error["message"] and "at most 32" in error["message"]
+
+
+def test_an_address_that_keeps_calling_without_a_key_is_held(clock: Clock) -> None:
+    admission = Admission(AdmissionSettings(refusal_hold_s=1.0, max_held_per_key=1), clock=clock)
+    assert admission.unauthenticated_hold("10.0.0.1") == 0.0  # the first 401: at once
+    clock.now += 0.2
+    assert admission.unauthenticated_hold("10.0.0.1") == 1.0  # again at once: held
+    assert admission.unauthenticated_hold("10.0.0.2") == 0.0  # another address: its own
+    clock.now += 5.0
+    assert admission.unauthenticated_hold("10.0.0.1") == 0.0  # after a quiet spell: at once again
+
+    async def while_one_is_held() -> float:
+        async with admission.held("address:10.0.0.1"):
+            clock.now += 0.1
+            return admission.unauthenticated_hold("10.0.0.1")
+
+    assert asyncio.run(while_one_is_held()) == 0.0  # past max_held_per_key: at once

@@ -81,6 +81,9 @@ def metadata_shapes() -> list[tuple[str, dict[str, Any], bool]]:
         ("metadata long array", {"a": list(range(800))}, True),
         ("metadata past bytes", {f"key{i:04d}": "v" * 20 for i in range(400)}, False),
         ("metadata of floats", {"x": 1e308, "y": -0.0, "z": [1.5, 2, True, None]}, True),
+        ("metadata NaN", {"x": float("nan")}, False),  # Python's json reads NaN; no answer could carry it
+        ("metadata Infinity", {"x": [float("inf")]}, False),
+        ("metadata big integer", {"x": 10**300}, True),
     ]
 
 
@@ -112,6 +115,7 @@ def shape_cases(user: str) -> list[Case]:
         cases.append((f"chat schema {levels} levels", "POST", "/v1/chat/completions",
                       {"messages": message, "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {
                           "name": "deep", "schema": {"type": "object", "properties": {"a": nested(levels, in_objects=True)}}}}}, None, False))
+    cases.append(("search threshold NaN", "POST", "/v1/memories/search", {"user_id": user, "query": "bees", "threshold": float("nan")}, None, False))
     cases.append(("chat 256 messages", "POST", "/v1/chat/completions", {"messages": message * 256, "max_tokens": 2}, None, None))  # the context decides
     cases.append(("chat 257 messages", "POST", "/v1/chat/completions", {"messages": message * 257, "max_tokens": 2}, None, False))
     cases.append(("list with repeated user_id", "GET", "/v1/memories", None, {"user_id": [user, user]}, False))

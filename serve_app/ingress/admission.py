@@ -16,7 +16,8 @@ A refusal is a 429 with `Retry-After` (whole seconds until a token is back, at l
 setting that refused it. A key that comes back before the Retry-After it was told has its next
 refusal held (at most `refusal_hold_s`, at most `max_held_per_key` at once) before it is answered:
 a client that ignores Retry-After is paced to about one request per hold per connection instead
-of one per round trip. Holding costs a timer, not a parse.
+of one per round trip. Holding costs a timer, not a parse. A client address that keeps calling
+without a valid key has its 401s held the same way (`unauthenticated_hold`).
 
 Several ingress processes (ChatAPI replicas, or LLM replicas with `routing: direct`) each keep
 their own buckets; `KeySpread` tells in how many of them a key was active lately (learned through
@@ -107,6 +108,7 @@ class Admission:
         self._buckets: dict[tuple[str, str, str], _Bucket] = {}
         self._running: Counter[tuple[str, str]] = Counter()
         self._held: Counter[str] = Counter()
+        self._last_401: dict[str, float] = {}
 
     @classmethod
     def of(cls, settings: ServiceSettings) -> "Admission":
@@ -158,6 +160,20 @@ class Admission:
             self._running[ticket.running] -= 1
             if self._running[ticket.running] <= 0:
                 del self._running[ticket.running]
+
+    def unauthenticated_hold(self, address: str | None) -> float:
+        """Seconds to hold a 401 for `address`: `refusal_hold_s` when the address was refused a key
+        less than that long ago (a client looping without a valid key), at most `max_held_per_key`
+        at once per address; 0 the first time. Costs a dictionary entry per address."""
+        if not self.settings.enabled or address is None or self.settings.refusal_hold_s <= 0:
+            return 0.0
+        now = self._clock()
+        last = self._last_401.get(address)
+        self._last_401[address] = now
+        if len(self._last_401) >= _MAX_ENTRIES:
+            self._last_401 = {a: t for a, t in self._last_401.items() if now - t < self.settings.refusal_hold_s}
+        early = last is not None and now - last < self.settings.refusal_hold_s
+        return self.settings.refusal_hold_s if early and self._held[f"address:{address}"] < self.settings.max_held_per_key else 0.0
 
     def held(self, key_id: str) -> "_Hold":
         """Counts a refusal of `key_id` being held (`async with`)."""

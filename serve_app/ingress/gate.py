@@ -104,6 +104,11 @@ class RequestGate:
             try:
                 principal = state["principal"] = await ingress.auth.principal(api_key_of(_header(scope, b"authorization")))
             except HTTPException as refused:
+                address = (scope.get("client") or (None,))[0]
+                hold = ingress.admission.unauthenticated_hold(address) if refused.status_code == 401 else 0.0
+                if hold > 0:  # calling again at once without a valid key: paced, as a key ignoring Retry-After is
+                    async with ingress.admission.held(f"address:{address}"):
+                        await asyncio.sleep(hold)
                 await self._refuse(scope, receive, send, refused.status_code, str(refused.detail), dict(refused.headers or {}))
                 return
             state["auth_ms"] = (time.perf_counter() - started) * 1e3
