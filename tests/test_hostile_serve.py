@@ -113,7 +113,8 @@ def test_the_host_header_is_never_reflected(service: str, keys: dict[str, str]) 
     later = [("DELETE", "/v1/memories/{fact_id}"), ("DELETE", "/v1/memories")]  # last: they erase what the others read
     order = sorted(set(bodies) - set(later)) + later
     extra = [("POST", "/v3/memories", {"filters": {"user_id": "bea"}}), ("GET", "/v1/memories/", None), ("GET", "/v1/nowhere", None),
-             ("POST", "/v3/memories/add", bodies[("POST", "/v3/memories/add/")]), ("GET", "/v1/models/", None)]
+             ("POST", "/v3/memories/add", bodies[("POST", "/v3/memories/add/")]), ("GET", "/v1/models/", None),
+             ("GET", "/docs", None), ("GET", "/redoc", None), ("GET", "/openapi.json", None), ("GET", "/docs/oauth2-redirect", None)]
     seen: list[str] = []
     for method, path, body in [(m, p, bodies[(m, p)]) for m, p in order] + extra:
         url = service + path.format(fact_id=fact, key_id=spare)
