@@ -29,12 +29,15 @@ def _rate(per_s: float, burst: int) -> Any:
 
 class UserLimits(BaseModel):
     """One user's rate per class of request (serve_app.ingress.admission.request_class). The defaults
-    let a person chat about once a second with bursts of 5, and add a session's turns in a burst of 10."""
+    are sized for the embedded 2-core CPU service, which answers one or two short chats a second in
+    all: a person may chat every 5 s with bursts of 3 and add a session's turns in a burst of 10, so
+    one user flooding takes a fifth of the engine (bench/results/flood_cpu.json); config.gpu.yaml
+    gives a GPU's users ten times that."""
 
     model_config = ConfigDict(extra="forbid")
 
-    chats: RateLimit = _rate(1.0, 5)
-    writes: RateLimit = _rate(1.0, 10)
+    chats: RateLimit = _rate(0.2, 3)
+    writes: RateLimit = _rate(0.5, 10)
     reads: RateLimit = _rate(5.0, 20)
 
 
@@ -67,7 +70,10 @@ class AdmissionSettings(BaseModel):
     )
     per_key: KeyLimits = Field(default_factory=KeyLimits, description="Each key of several users: its own buckets.")
     max_engine_requests_per_key: int = Field(
-        4, ge=1, description="Chats and completions of one key running at once (their answers not yet given); more: 429."
+        1,
+        ge=1,
+        description="Chats and completions of one key running at once (their answers not yet given); more: 429. One on "
+        "the CPU service (a key's chats run one after another); config.gpu.yaml: 8.",
     )
     max_writes_per_key: int = Field(
         4, ge=1, description="Memory writes of one key running at once (an add extracts or queues encodes); more: 429."
