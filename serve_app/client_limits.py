@@ -28,16 +28,15 @@ def _rate(per_s: float, burst: int) -> Any:
 
 
 class UserLimits(BaseModel):
-    """One user's rate per class of request (serve_app.ingress.admission.request_class). The defaults
-    are sized for the embedded 2-core CPU service, which answers one or two short chats a second in
-    all: a person may chat every 5 s with bursts of 3 and add a session's turns in a burst of 10, so
-    one user flooding takes a fifth of the engine (bench/results/flood_cpu.json); config.gpu.yaml
-    gives a GPU's users ten times that."""
+    """One user's rate per class of request (serve_app.ingress.admission.request_class): a person may
+    chat once a second with bursts of 5 and add a session's turns in a burst of 10. A user who keeps
+    calling while refused spends tokens all the same (admission), so only what honours Retry-After
+    gets through; config.gpu.yaml gives a GPU's users more."""
 
     model_config = ConfigDict(extra="forbid")
 
-    chats: RateLimit = _rate(0.2, 3)
-    writes: RateLimit = _rate(0.5, 10)
+    chats: RateLimit = _rate(1.0, 5)
+    writes: RateLimit = _rate(1.0, 10)
     reads: RateLimit = _rate(5.0, 20)
 
 
@@ -70,10 +69,10 @@ class AdmissionSettings(BaseModel):
     )
     per_key: KeyLimits = Field(default_factory=KeyLimits, description="Each key of several users: its own buckets.")
     max_engine_requests_per_key: int = Field(
-        1,
+        2,
         ge=1,
-        description="Chats and completions of one key running at once (their answers not yet given); more: 429. One on "
-        "the CPU service (a key's chats run one after another); config.gpu.yaml: 8.",
+        description="Chats and completions of one key running at once (their answers not yet given); more: 429. Two on "
+        "the 2-core CPU service, which answers one or two short chats a second in all; config.gpu.yaml: 8.",
     )
     max_writes_per_key: int = Field(
         4, ge=1, description="Memory writes of one key running at once (an add extracts or queues encodes); more: 429."
@@ -84,7 +83,8 @@ class AdmissionSettings(BaseModel):
         le=10,
         description="A key that calls again before the Retry-After it was given has its next refusal answered only "
         "after this long at most (or when Retry-After runs out, if sooner), so a client that ignores Retry-After "
-        "is paced instead of costing the service a request per round trip. 0: always answer at once.",
+        "is paced instead of costing the service a request per round trip (such a call also costs a token). 0: "
+        "always answer at once.",
     )
     max_held_per_key: int = Field(
         8, ge=0, description="Refusals of one key held at once (refusal_hold_s); past it, refused at once with Connection: close."

@@ -141,7 +141,8 @@ def test_a_key_that_ignores_retry_after_is_held_a_bounded_number_at_once(clock: 
     assert first is not None and first.hold_s == 0 and first.retry_after_s == 2  # told 2 s: answered at once
     clock.now += 0.5  # back early
     (second,) = admit_all(admission, BEA, "chats", 1)
-    assert second is not None and second.hold_s == 1.5 and not second.close and second.retry_after_s == 1
+    # the early call cost a token: 0.25 - 1 = -0.75 tokens, 3.5 s to one token, 1.5 of them held
+    assert second is not None and second.hold_s == 1.5 and not second.close and second.retry_after_s == 2
 
     async def while_one_is_held() -> Refused:
         async with admission.held(BEA.key_id):
@@ -299,3 +300,17 @@ def test_an_address_that_keeps_calling_without_a_key_is_held(clock: Clock) -> No
             return admission.unauthenticated_hold("10.0.0.1")
 
     assert asyncio.run(while_one_is_held()) == 0.0  # past max_held_per_key: at once
+
+
+def test_a_client_that_keeps_calling_while_refused_never_gets_through_one_that_waits_does(clock: Clock) -> None:
+    admission = Admission(AdmissionSettings(per_user=limits(chats=(1.0, 5))), clock=clock)
+    assert admit_all(admission, BEA, "chats", 5) == [None] * 5  # the burst
+    for _ in range(60):  # then a call a second (each refusal held about that long): as fast as it is answered
+        (refused,) = admit_all(admission, BEA, "chats", 1)
+        assert refused is not None
+        clock.now += max(refused.hold_s, 0.5)
+    assert refused.retry_after_s >= 1
+    clock.now += refused.retry_after_s  # waits as told, once
+    assert admit_all(admission, BEA, "chats", 1) == [None]
+    other = Principal("key_000000000cal", frozenset({"cal"}))
+    assert admit_all(admission, other, "chats", 5) == [None] * 5  # another user never noticed

@@ -5,9 +5,9 @@ Each ingress process keeps its own buckets; a key active in n of them gets 1/n o
 each (serve_app.ingress.admission, the processes counted through Redis once a second:
 memory.ingress_presence). This starts the CPU service (config.yaml, auth.mode keys) with
 `ingress_replicas: --ingress-replicas`, then --threads threads of one user's key send
-GET /v1/memories (a read) as fast as they are answered for --seconds, and counts what was admitted:
-with the share, about burst + rate x seconds in all (what one process grants); without it, up to
-n times that. Writes bench/results/admission_spread_cpu.json.
+GET /v1/memories (a read) as fast as they are answered, each waiting a 429's Retry-After as told,
+for --seconds, and counts what was admitted: with the share, at most burst + rate x seconds in all
+(what one process alone would grant); without it, up to n times that. Writes bench/results/admission_spread_cpu.json.
 
     PYTHONPATH=$PWD .venv/bin/python -m bench.serve.admission_spread [--ingress-replicas 2]
 """
@@ -38,11 +38,13 @@ def hammer(url: str, key: str, seconds: float, threads: int) -> tuple[Counter[st
     def loop() -> None:
         with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as client:
             while (now := time.perf_counter() - started) < seconds:
-                status = client.get("/v1/memories", params={"user_id": "ann"}).status_code
+                answer = client.get("/v1/memories", params={"user_id": "ann"})
                 with lock:
-                    statuses[str(status)] += 1
-                    if status == 200:
+                    statuses[str(answer.status_code)] += 1
+                    if answer.status_code == 200:
                         admitted.append(now)
+                if answer.status_code == 429:  # as told: a client that honours Retry-After, at the most it may have
+                    time.sleep(float(answer.headers.get("Retry-After", "1")))
 
     workers = [threading.Thread(target=loop) for _ in range(threads)]
     for worker in workers:
@@ -56,7 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ingress-replicas", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--threads", type=int, default=16, help="more than the rate: the limit, not the client, sets the pace")
+    parser.add_argument("--threads", type=int, default=8, help="clients of the key at once: the limit, not the client, sets the pace")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "admission_spread_cpu.json")
     args = parser.parse_args()
     service = argparse.Namespace(timeout_s=120.0, unfair=False, arena_pages=None)

@@ -159,8 +159,8 @@ class PacedChats:
         next_at = started
         while time.perf_counter() - started < seconds:
             time.sleep(max(0.0, next_at - time.perf_counter()))
-            next_at += 1.0
             sent = time.perf_counter()
+            next_at = max(next_at + 1.0, sent)  # after a slow answer, the next at once, never a burst to catch up
             answer = self.client.post("/v1/chat/completions", json=chat_body(self.user, self.max_tokens))
             self.statuses[answer.status_code] += 1
             if answer.status_code == 200:

@@ -13,10 +13,12 @@ Redis, no Ray call. The class of a request (chats, writes, reads) comes from its
 - admin keys (and everyone with `auth.mode: off`) are the operator's: not limited.
 
 A refusal is a 429 with `Retry-After` (whole seconds until a token is back, at least 1) and the
-setting that refused it. A key that comes back before the Retry-After it was told has its next
-refusal held (at most `refusal_hold_s`, at most `max_held_per_key` at once) before it is answered:
-a client that ignores Retry-After is paced to about one request per hold per connection instead
-of one per round trip. Holding costs a timer, not a parse. A client address that keeps calling
+setting that refused it. A call that comes back before the Retry-After its user (or key) was told
+costs a token all the same (the bucket goes into debt, at most one burst deep), so a client that
+keeps calling while refused is never let through until it waits as told; and its refusal is held
+(at most `refusal_hold_s`, at most `max_held_per_key` at once) before it is answered: a client that
+ignores Retry-After is paced to about one request per hold per connection instead of one per round
+trip. A client that honours Retry-After never meets either. Holding costs a timer, not a parse. A client address that keeps calling
 without a valid key has its 401s held the same way (`unauthenticated_hold`).
 
 Several ingress processes (ChatAPI replicas, or LLM replicas with `routing: direct`) each keep
@@ -199,6 +201,9 @@ class Admission:
             bucket.tokens -= 1.0
             return
         came_back_early = bucket.retry_at > now
+        if came_back_early:  # told to wait and did not: the call costs a token all the same (down to one burst of debt)
+            bucket.tokens = max(bucket.tokens - 1.0, -max(1.0, limit.burst * share))
+            wait = (1.0 - bucket.tokens) / (limit.per_s * share)
         hold = min(self.settings.refusal_hold_s, wait) if came_back_early else 0.0
         close = hold > 0 and self._held[key_id] >= self.settings.max_held_per_key
         if close:
