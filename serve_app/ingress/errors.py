@@ -23,8 +23,9 @@ as OpenAI's API and its clients expect (`openai.BadRequestError.param`, `.code`,
   at its maxmemory: in both cases nothing was stored.
 
 `install_error_handlers(api)` registers the handlers and rewrites the app's OpenAPI document so
-that every operation documents these statuses with the ErrorResponse schema (and the chat route
-its JSON answer and its server-sent events), which the schema-driven fuzz test holds it to.
+that every operation documents these statuses with the ErrorResponse schema (and the chat and
+text-completion routes their JSON answer and their server-sent events), which the schema-driven
+fuzz test holds it to.
 RefusalsAreNotFailures keeps Ray Serve from logging a replica's refusals as failed requests.
 Imports neither torch nor vLLM: it runs in the ingress.
 """
@@ -43,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memory.fairness import EncodeBacklogFull
 from memory.records import QuotaExceeded, StoreFull, StoreUnavailable
+from serve_app.completion_protocol import CompletionResponse
 from serve_app.protocol import ChatCompletionChunk, ChatCompletionResponse, ErrorResponse, NotFound, RequestRejected
 
 logger = logging.getLogger(__name__)
@@ -176,9 +178,10 @@ def _json(ref: str) -> dict[str, Any]:
 
 
 def document_responses(schema: dict[str, Any]) -> dict[str, Any]:
-    """Every operation's error statuses (ErrorResponse) and the chat route's two answer forms."""
+    """Every operation's error statuses (ErrorResponse), and the two answer forms of the chat and text-completion routes."""
     refs, definitions = models_json_schema(
-        [(ErrorResponse, "serialization"), (ChatCompletionResponse, "serialization"), (ChatCompletionChunk, "serialization")],
+        [(ErrorResponse, "serialization"), (ChatCompletionResponse, "serialization"), (ChatCompletionChunk, "serialization"),
+         (CompletionResponse, "serialization")],
         ref_template="#/components/schemas/{model}",
     )
     components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -188,6 +191,7 @@ def document_responses(schema: dict[str, Any]) -> dict[str, Any]:
     error_ref = refs[(ErrorResponse, "serialization")]["$ref"]
     chat_ref = refs[(ChatCompletionResponse, "serialization")]["$ref"]
     chunk_ref = refs[(ChatCompletionChunk, "serialization")]["$ref"]
+    completion_ref = refs[(CompletionResponse, "serialization")]["$ref"]  # its stream's events are the same model
     for path, operations in schema.get("paths", {}).items():
         for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
@@ -198,6 +202,11 @@ def document_responses(schema: dict[str, Any]) -> dict[str, Any]:
                 responses["200"] = {
                     "description": "A chat.completion, or with stream=true server-sent chat.completion.chunk events.",
                     "content": {**_json(chat_ref), "text/event-stream": {"schema": _sse_event(chunk_ref)}},
+                }
+            if path == "/v1/completions" and method == "post":
+                responses["200"] = {
+                    "description": "A text_completion, or with stream=true server-sent text_completion events.",
+                    "content": {**_json(completion_ref), "text/event-stream": {"schema": _sse_event(completion_ref)}},
                 }
     for unused in ("HTTPValidationError", "ValidationError"):
         components.pop(unused, None)
