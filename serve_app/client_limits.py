@@ -69,10 +69,14 @@ class AdmissionSettings(BaseModel):
     )
     per_key: KeyLimits = Field(default_factory=KeyLimits, description="Each key of several users: its own buckets.")
     max_engine_requests_per_key: int = Field(
-        2,
+        1,
         ge=1,
-        description="Chats and completions of one key running at once (their answers not yet given); more: 429. Two on "
-        "the 2-core CPU service, which answers one or two short chats a second in all; config.gpu.yaml: 8.",
+        description="Chats and completions of a key of one user running at once (their answers not yet given); more: "
+        "429. One on the 2-core CPU service, whose engine answers one or two short chats a second in all: two of one "
+        "user's chats at once made another user's twice as slow (bench/results/flood_cpu.json); config.gpu.yaml: 8.",
+    )
+    max_engine_requests_per_shared_key: int = Field(
+        8, ge=1, description="The same for a key of several users (an application's backend), in all; config.gpu.yaml: 64."
     )
     max_writes_per_key: int = Field(
         4, ge=1, description="Memory writes of one key running at once (an add extracts or queues encodes); more: 429."

@@ -130,8 +130,19 @@ def test_running_requests_of_a_key_are_capped(clock: Clock) -> None:
     admission.release(tickets[0])
     admission.release(tickets[0])  # twice: counted once
     tickets.append(admission.admit(BEA, "chats"))  # one slot was free again
-    with pytest.raises(Refused):
+    with pytest.raises(Refused) as first:
         admission.admit(BEA, "chats")
+    assert first.value.hold_s == 0  # told to retry in a second: answered at once
+    clock.now += 0.2
+    with pytest.raises(Refused) as again:
+        admission.admit(BEA, "chats")
+    assert again.value.hold_s > 0  # back within that second: held
+    app = Admission(settings(max_engine_requests_per_key=1, max_engine_requests_per_shared_key=3,
+                             per_key=KeyLimits(chats=RateLimit(per_s=100.0, burst=100))), clock=clock)
+    running = [app.admit(APP, "chats") for _ in range(3)]  # a key of several users: its own cap
+    with pytest.raises(Refused, match="max_engine_requests_per_shared_key"):
+        app.admit(APP, "chats")
+    assert len(running) == 3
 
 
 def test_a_key_that_ignores_retry_after_is_held_a_bounded_number_at_once(clock: Clock) -> None:

@@ -55,7 +55,7 @@ CONFIG_YAML = Path(__file__).resolve().parents[2] / "config.yaml"
 # The fuzzed user's rates and caps, raised over config.yaml's (a chat every 5 s, one at a time) so that
 # the >= 10,000 requests at --concurrency 4 exercise the routes rather than the 429 (still documented).
 FUZZ_ADMISSION = {"per_user": {kind: {"per_s": 200, "burst": 400} for kind in ("chats", "writes", "reads")},
-                  "max_engine_requests_per_key": 8, "max_writes_per_key": 8}
+                  "max_engine_requests_per_key": 8, "max_writes_per_key": 8}  # (a key of one user)
 
 
 def fuzz_service_overrides() -> dict[str, Any]:

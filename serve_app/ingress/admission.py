@@ -8,8 +8,9 @@ Redis, no Ray call. The class of a request (chats, writes, reads) comes from its
 - a key bound to one user spends that user's buckets (`per_user`) in the gate;
 - a key of several users spends its own buckets (`per_key`) in the gate, and the routes ask
   `admit_user` for the user the parsed body names before any call to a replica;
-- chats and writes of one key running at once are capped (`max_engine_requests_per_key`,
-  `max_writes_per_key`);
+- chats and writes of one key running at once are capped (`max_engine_requests_per_key`, or
+  `max_engine_requests_per_shared_key` for a key of several users; `max_writes_per_key`); one that
+  comes back within the second its refusal said has its next refusal held too;
 - admin keys (and everyone with `auth.mode: off`) are the operator's: not limited.
 
 A refusal is a 429 with `Retry-After` (whole seconds until a token is back, at least 1) and the
@@ -111,6 +112,7 @@ class Admission:
         self._running: Counter[tuple[str, str]] = Counter()
         self._held: Counter[str] = Counter()
         self._last_401: dict[str, float] = {}
+        self._running_retry_at: dict[tuple[str, str], float] = {}  # when an in-flight refusal said to come back
 
     @classmethod
     def of(cls, settings: ServiceSettings) -> "Admission":
@@ -137,12 +139,15 @@ class Admission:
         share = self._share(key)
         running = (key, RUNNING_KIND[kind]) if kind in RUNNING_KIND else None
         if running is not None:
-            cap = self._cap(running[1])
+            cap, setting = self._cap(running[1], principal)
             if self._running[running] >= max(1, math.floor(cap * share)):
+                now = self._clock()
+                early = self._running_retry_at.get(running, 0.0) > now  # told to retry in a second, and did not wait
+                self._running_retry_at[running] = now + 1.0
                 what = "chats and completions" if kind == "chats" else "memory writes"
-                setting = "max_engine_requests_per_key" if kind == "chats" else "max_writes_per_key"
                 raise Refused(f"this key already has {self._running[running]} {what} running; at most {cap} at once "
-                              f"(admission.{setting}); retry when one is answered", "too_many_requests_in_flight", 1)
+                              f"(admission.{setting}); retry when one is answered", "too_many_requests_in_flight", 1,
+                              hold_s=self.settings.refusal_hold_s if early else 0.0)
         (user,) = principal.users if principal.users is not None and len(principal.users) == 1 else (None,)
         scope = ("user", user, self.settings.per_user) if user is not None else ("key", key, self.settings.per_key)
         self._take(scope[0], scope[1], kind, getattr(scope[2], kind), share, key)
@@ -174,6 +179,7 @@ class Admission:
         self._last_401[address] = now
         if len(self._last_401) >= _MAX_ENTRIES:
             self._last_401 = {a: t for a, t in self._last_401.items() if now - t < self.settings.refusal_hold_s}
+            self._running_retry_at = {k: t for k, t in self._running_retry_at.items() if t > now}
         early = last is not None and now - last < self.settings.refusal_hold_s
         return self.settings.refusal_hold_s if early and self._held[f"address:{address}"] < self.settings.max_held_per_key else 0.0
 
@@ -182,8 +188,13 @@ class Admission:
         return _Hold(self._held, key_id)
 
     # ------------------------------------------------------------------ internals
-    def _cap(self, kind: str) -> int:
-        return self.settings.max_engine_requests_per_key if kind == "engine" else self.settings.max_writes_per_key
+    def _cap(self, kind: str, principal: Principal) -> tuple[int, str]:
+        """The in-flight cap of `principal` for `kind` and the setting's name."""
+        if kind != "engine":
+            return self.settings.max_writes_per_key, "max_writes_per_key"
+        if principal.users is not None and len(principal.users) > 1:
+            return self.settings.max_engine_requests_per_shared_key, "max_engine_requests_per_shared_key"
+        return self.settings.max_engine_requests_per_key, "max_engine_requests_per_key"
 
     def _share(self, key_id: str) -> float:
         return 1.0 / max(1, self.spread.processes(key_id)) if self.spread is not None else 1.0
