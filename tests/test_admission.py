@@ -130,6 +130,7 @@ def test_running_requests_of_a_key_are_capped(clock: Clock) -> None:
     admission.release(tickets[0])
     admission.release(tickets[0])  # twice: counted once
     tickets.append(admission.admit(BEA, "chats"))  # one slot was free again
+    clock.now += 2.0
     with pytest.raises(Refused) as first:
         admission.admit(BEA, "chats")
     assert first.value.hold_s == 0  # told to retry in a second: answered at once
