@@ -49,11 +49,11 @@ def settings(**changes: Any) -> AdmissionSettings:
     return AdmissionSettings(**({"per_user": limits(), "per_key": KeyLimits(**limits(chats=(10.0, 6)).model_dump())} | changes))
 
 
-def admit_all(admission: Admission, principal: Principal, kind: str, n: int) -> list[Refused | None]:
+def admit_all(admission: Admission, principal: Principal, kind: str, n: int, connection: str | None = "127.0.0.1:5000") -> list[Refused | None]:
     outcomes: list[Refused | None] = []
     for _ in range(n):
         try:
-            admission.release(admission.admit(principal, kind))  # answered at once: no in-flight build-up
+            admission.release(admission.admit(principal, kind, connection))  # answered at once: no in-flight build-up
             outcomes.append(None)
         except Refused as refused:
             outcomes.append(refused)
@@ -326,3 +326,19 @@ def test_a_client_that_keeps_calling_while_refused_never_gets_through_one_that_w
     assert admit_all(admission, BEA, "chats", 1) == [None]
     other = Principal("key_000000000cal", frozenset({"cal"}))
     assert admit_all(admission, other, "chats", 5) == [None] * 5  # another user never noticed
+
+
+def test_connections_that_wait_as_told_are_not_charged_for_each_other(clock: Clock) -> None:
+    admission = Admission(AdmissionSettings(per_user=limits(chats=(1.0, 2))), clock=clock)
+    admitted = 0
+    told = {f"127.0.0.1:{port}": 0.0 for port in range(5000, 5008)}  # eight connections of one user
+    for _ in range(300):  # 30 s in steps of 0.1 s; each connection calls when it was told it may
+        clock.now += 0.1
+        for connection, at in told.items():
+            if clock.now >= at:
+                try:
+                    admission.release(admission.admit(BEA, "chats", connection))
+                    admitted += 1
+                except Refused as refused:
+                    told[connection] = clock.now + refused.hold_s + refused.retry_after_s
+    assert 22 <= admitted <= 32  # about the rate (1 a second, a burst of 2), never starved by debt

@@ -14,12 +14,13 @@ Redis, no Ray call. The class of a request (chats, writes, reads) comes from its
 - admin keys (and everyone with `auth.mode: off`) are the operator's: not limited.
 
 A refusal is a 429 with `Retry-After` (whole seconds until a token is back, at least 1) and the
-setting that refused it. A call that comes back before the Retry-After its user (or key) was told
-costs a token all the same (the bucket goes into debt, at most one burst deep), so a client that
-keeps calling while refused is never let through until it waits as told; and its refusal is held
-(at most `refusal_hold_s`, at most `max_held_per_key` at once) before it is answered: a client that
-ignores Retry-After is paced to about one request per hold per connection instead of one per round
-trip. A client that honours Retry-After never meets either. Holding costs a timer, not a parse. A client address that keeps calling
+setting that refused it. A call on a connection that was told to wait and did not costs a token
+all the same (the bucket goes into debt, at most one burst deep), so a client that keeps calling
+while refused is never let through until it waits as told, while the user's other connections
+that wait as told are not charged for it. A call that comes back before the user (or key) may
+call again has its refusal held (at most `refusal_hold_s`, at most `max_held_per_key` at once)
+before it is answered: a client that ignores Retry-After is paced to about one request per hold
+per connection instead of one per round trip, with or without keep-alive. Holding costs a timer, not a parse. A client address that keeps calling
 without a valid key has its 401s held the same way (`unauthenticated_hold`).
 
 Several ingress processes (ChatAPI replicas, or LLM replicas with `routing: direct`) each keep
@@ -113,6 +114,7 @@ class Admission:
         self._held: Counter[str] = Counter()
         self._last_401: dict[str, float] = {}
         self._running_retry_at: dict[tuple[str, str], float] = {}  # when an in-flight refusal said to come back
+        self._told: dict[tuple[tuple[str, str, str], str], float] = {}  # (bucket, connection) -> when it may call again
 
     @classmethod
     def of(cls, settings: ServiceSettings) -> "Admission":
@@ -129,8 +131,10 @@ class Admission:
     def limited(self, principal: Principal) -> bool:
         return self.settings.enabled and not principal.is_admin
 
-    def admit(self, principal: Principal, kind: RequestClass) -> Ticket:
-        """A Ticket for a request of `kind` by `principal`, or Refused (see the module docstring)."""
+    def admit(self, principal: Principal, kind: RequestClass, connection: str | None = None) -> Ticket:
+        """A Ticket for a request of `kind` by `principal` over `connection` (the client's address and
+        port: a refusal's debt is charged only to a connection that did not wait as it was told), or
+        Refused (see the module docstring)."""
         if not self.limited(principal):
             return Ticket()
         key = principal.key_id
@@ -150,7 +154,7 @@ class Admission:
                               hold_s=self.settings.refusal_hold_s if early else 0.0)
         (user,) = principal.users if principal.users is not None and len(principal.users) == 1 else (None,)
         scope = ("user", user, self.settings.per_user) if user is not None else ("key", key, self.settings.per_key)
-        self._take(scope[0], scope[1], kind, getattr(scope[2], kind), share, key)
+        self._take(scope[0], scope[1], kind, getattr(scope[2], kind), share, key, connection)
         if running is not None:
             self._running[running] += 1
         return Ticket(running)
@@ -199,7 +203,9 @@ class Admission:
     def _share(self, key_id: str) -> float:
         return 1.0 / max(1, self.spread.processes(key_id)) if self.spread is not None else 1.0
 
-    def _take(self, scope: str, name: str, kind: RequestClass, limit: RateLimit, share: float, key_id: str) -> None:
+    def _take(
+        self, scope: str, name: str, kind: RequestClass, limit: RateLimit, share: float, key_id: str, connection: str | None = None
+    ) -> None:
         now = self._clock()
         slot = (scope, name, kind)
         bucket = self._buckets.get(slot)
@@ -211,8 +217,11 @@ class Admission:
         if wait <= 0.0:
             bucket.tokens -= 1.0
             return
-        came_back_early = bucket.retry_at > now
-        if came_back_early:  # told to wait and did not: the call costs a token all the same (down to one burst of debt)
+        came_back_early = bucket.retry_at > now  # the user (or key) was told to wait: held
+        told = (slot, connection)
+        if connection is not None and self._told.get(told, 0.0) > now:
+            # this very connection was told to wait and did not: the call costs a token all the same (down to
+            # one burst of debt); other connections of the user that wait as they were told are never charged
             bucket.tokens = max(bucket.tokens - 1.0, -max(1.0, limit.burst * share))
             wait = (1.0 - bucket.tokens) / (limit.per_s * share)
         hold = min(self.settings.refusal_hold_s, wait) if came_back_early else 0.0
@@ -221,6 +230,10 @@ class Admission:
             hold = 0.0
         bucket.retry_at = now + wait
         retry_after = max(1, math.ceil(wait - hold))
+        if connection is not None:
+            if len(self._told) >= _MAX_ENTRIES:
+                self._told = {k: t for k, t in self._told.items() if t > now}
+            self._told[told] = now + hold + retry_after  # when it was told it may call again
         whose = f"user {name!r}" if scope == "user" else "this key"
         raise Refused(
             f"{whose} may send {kind} at {limit.per_s:g} a second (bursts of {limit.burst}: admission.per_{scope}.{kind}); "

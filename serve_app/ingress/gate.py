@@ -67,6 +67,12 @@ def _route_path(scope: Scope) -> str:
     return path
 
 
+def _connection(scope: Scope) -> str | None:
+    """The client's address and port (Serve's proxy passes its connection's), or None."""
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else None
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
@@ -114,7 +120,7 @@ class RequestGate:
             state["auth_ms"] = (time.perf_counter() - started) * 1e3
             kind = state["request_class"] = request_class(scope.get("method", "GET"), path)
             try:
-                ticket = ingress.admission.admit(principal, kind)
+                ticket = ingress.admission.admit(principal, kind, _connection(scope))
             except Refused as refused:
                 await self._answer_refusal(ingress.admission, principal.key_id, refused, scope, receive, send)
                 return
