@@ -29,9 +29,9 @@ def _rate(per_s: float, burst: int) -> Any:
 
 class UserLimits(BaseModel):
     """One user's rate per class of request (serve_app.ingress.admission.request_class): a person may
-    chat once a second with bursts of 5 and add a session's turns in a burst of 10. A user who keeps
-    calling while refused spends tokens all the same (admission), so only what honours Retry-After
-    gets through; config.gpu.yaml gives a GPU's users more."""
+    chat once a second with bursts of 5 and add a session's turns in a burst of 10. A connection that
+    keeps calling while refused spends tokens all the same (serve_app.ingress.admission), so only what
+    honours Retry-After gets through; config.gpu.yaml gives a GPU's users more."""
 
     model_config = ConfigDict(extra="forbid")
 
