@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${SKIP_SETUP:-}" ] || bash scripts/setup.sh  # scripts/serve_gpu.sh sets up its own environment
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+# Serve's proxy loads the connection bounds uvicorn lacks (header deadline, per-address cap): serve_app/ingress/proxy_guard.py
+export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=${RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH:-serve_app.ingress.proxy_guard:install}
 CONFIG=${CONFIG:-config.yaml}
 VENV=${VENV:-.venv}
 if [ -z "${REDIS_URL:-}" ]; then

@@ -15,13 +15,16 @@ filters on anything but `user_id` are refused by name (400), never ignored.
 from __future__ import annotations
 
 import json
+import logging
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from memory.records import FactEvent, FactRecord, MemoryHit
-from serve_app.protocol import MAX_ID_CHARS, MAX_REQUEST_CHARS, NonBlank
+from serve_app.protocol import MAX_ID_CHARS, MAX_REQUEST_CHARS, NonBlank, bounded_depth, json_depth
+
+logger = logging.getLogger(__name__)
 
 MAX_ADD_MESSAGES = 8  # each user message costs one extraction request (up to 256 generated tokens)
 MAX_FACTS_PER_ADD = 64
@@ -29,11 +32,18 @@ MAX_FACT_CHARS = 2_000  # the replica also bounds tokens: one arena entry per fa
 MAX_TURNS_PER_ADD = 256
 MAX_TURN_CHARS = 20_000
 MAX_METADATA_BYTES = 4_096  # compact JSON; counted against the user's text quota (memory.quota)
+MAX_METADATA_DEPTH = 8  # levels of objects and arrays, the metadata object itself the first
 MAX_SEARCH_RESULTS = 200
 
 
 def _bounded_metadata(value: dict[str, Any]) -> dict[str, Any]:
-    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    bounded_depth(value, MAX_METADATA_DEPTH, "metadata")  # first: json.dumps recurses
+    try:  # NaN and Infinity parse (Python's json reads them) but no answer could carry them back
+        size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
+    except ValueError as exc:
+        raise ValueError("metadata holds NaN or Infinity, which JSON answers cannot carry") from exc
+    except UnicodeEncodeError as exc:
+        raise ValueError("metadata holds a lone surrogate (\\ud800-\\udfff), which is not text") from exc
     if size > MAX_METADATA_BYTES:
         raise ValueError(f"metadata of {size} bytes (compact JSON) exceeds {MAX_METADATA_BYTES}")
     return value
@@ -113,7 +123,7 @@ class SearchMemoryRequest(BaseModel):
     user_id: UserId
     query: str = Field(..., min_length=1, max_length=MAX_TURN_CHARS)
     limit: int = Field(10, gt=0, le=MAX_SEARCH_RESULTS)
-    threshold: float | None = Field(None, description="Leave out hits scoring below this.")
+    threshold: float | None = Field(None, allow_inf_nan=False, description="Leave out hits scoring below this.")
 
 
 class UpdateMemoryRequest(BaseModel):
@@ -182,7 +192,7 @@ class Mem0SearchRequest(BaseModel):
     query: str = Field(..., min_length=1, max_length=MAX_TURN_CHARS)
     filters: UserFilter
     top_k: int = Field(10, gt=0, le=MAX_SEARCH_RESULTS)
-    threshold: float | None = None
+    threshold: float | None = Field(None, allow_inf_nan=False)
 
     def as_search(self) -> SearchMemoryRequest:
         return SearchMemoryRequest(user_id=self.filters.user_id, query=self.query, limit=self.top_k, threshold=self.threshold)
@@ -192,6 +202,21 @@ class Mem0SearchRequest(BaseModel):
 def iso_time(epoch_s: float) -> str:
     """An epoch time as Mem0 gives times: ISO 8601 with its UTC offset."""
     return datetime.fromtimestamp(epoch_s, tz=timezone.utc).isoformat()
+
+
+def readable_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Stored metadata as an answer may carry it: None for a value deeper than MAX_METADATA_DEPTH or
+    holding NaN or Infinity, which only versions before these bounds could store (its serialization
+    failed every read that carried it; a PUT with new metadata replaces it)."""
+    if value is not None and json_depth(value) > MAX_METADATA_DEPTH:
+        logger.warning("a stored memory's metadata nests deeper than %d levels; answered as null", MAX_METADATA_DEPTH)
+        return None
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:  # NaN or Infinity, stored before they were refused: JSON answers cannot carry them
+        logger.warning("a stored memory's metadata holds NaN or Infinity; answered as null")
+        return None
+    return value
 
 
 class MemoryItem(BaseModel):
@@ -215,7 +240,7 @@ class MemoryItem(BaseModel):
     def of(cls, record: FactRecord) -> "MemoryItem":
         """From a FactRecord, or the shard's StoredFact (which adds the KV's state)."""
         return cls(
-            id=record.fact_id, memory=record.text, user_id=record.user_id, metadata=record.metadata,
+            id=record.fact_id, memory=record.text, user_id=record.user_id, metadata=readable_metadata(record.metadata),
             created_at=iso_time(record.created_at), updated_at=iso_time(record.updated_at), version=record.version,
             source_id=record.source_id, session_time=record.session_time,
             kv=getattr(record, "kv", None), kv_error=getattr(record, "kv_error", None), kv_attempts=getattr(record, "kv_attempts", None),

@@ -35,6 +35,28 @@ MAX_CHOICES = 8  # n: each choice costs a whole generation
 MAX_SCHEMA_BYTES = 16_384  # response_format's JSON schema, compiled to a grammar by the engine
 MAX_TOKENS_FIELD = 1_000_000  # a sanity bound; the replica checks against the context and the service limit
 INT64 = 2**63 - 1
+MAX_SCHEMA_DEPTH = 16  # response_format's JSON schema: levels of objects and arrays
+
+
+def json_depth(value: Any) -> int:
+    """Levels of dicts and lists in a parsed JSON value (a scalar: 0; `{}`: 1), counted without
+    recursion (a value nested past Python's recursion limit must not crash the check)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        pending.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def bounded_depth(value: Any, limit: int, what: str) -> Any:
+    """`value` itself, or ValueError naming `what` and the limit when it nests deeper than `limit`."""
+    if (depth := json_depth(value)) > limit:
+        raise ValueError(f"{what} nests {depth} levels of objects and arrays; at most {limit}")
+    return value
 
 NonBlank = Annotated[str, Field(min_length=1, pattern=r"\S")]
 
@@ -122,8 +144,14 @@ class JsonSchemaFormat(BaseModel):
     @field_validator("schema_")
     @classmethod
     def _bounded_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and (size := len(json.dumps(value).encode())) > MAX_SCHEMA_BYTES:
-            raise ValueError(f"the JSON schema holds {size} bytes; at most {MAX_SCHEMA_BYTES}")
+        if value is not None:
+            bounded_depth(value, MAX_SCHEMA_DEPTH, "the JSON schema")  # first: json.dumps recurses
+            try:
+                size = len(json.dumps(value, allow_nan=False).encode())
+            except ValueError as exc:
+                raise ValueError("the JSON schema holds NaN or Infinity") from exc
+            if size > MAX_SCHEMA_BYTES:
+                raise ValueError(f"the JSON schema holds {size} bytes; at most {MAX_SCHEMA_BYTES}")
         return value
 
 

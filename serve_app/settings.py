@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from gpuplan.settings import GpuPlanSettings
 from memory.settings import MemorySettings
+from serve_app.client_limits import AdmissionSettings
 from serve_app.memory_protocol import MAX_FACT_CHARS, MAX_FACTS_PER_ADD, MAX_TURN_CHARS, MAX_TURNS_PER_ADD
 
 DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"  # the embedded default's folder in the model cache
@@ -286,6 +287,32 @@ class ServiceSettings(BaseSettings):
         description="Largest request body the ingress reads (413 past it, counted while reading, before any parsing). "
         "8 MiB: the protocol's largest request (400,000 characters plus 256 turns' ids) is 5.8 MB when every "
         "character is \\u-escaped, as Python's json and `requests` send non-ASCII text.",
+    )
+    body_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=300,
+        description="Seconds a request's whole body may take to arrive once its headers have (checked by the ingress "
+        "before any parsing); past it: 408 and the connection is closed. Header deadlines and per-address connection "
+        "caps are the proxy's (serve_app.client_limits.ProxySettings).",
+    )
+    max_json_depth: int = Field(
+        32,
+        ge=4,
+        le=256,
+        description="Deepest nesting of arrays and objects in a request body, checked before it is parsed (400 naming the "
+        "field). The protocol's own bounds are tighter where they apply (metadata: serve_app.memory_protocol).",
+    )
+    public_base_url: str | None = Field(
+        None,
+        pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$",
+        description="The service's public address (https://api.example.com) for the links an answer carries (Mem0 "
+        "pages' next and previous). None: the links are relative (/v3/memories/?page=2). Never taken from the "
+        "request's Host header.",
+    )
+    admission: AdmissionSettings = Field(
+        default_factory=AdmissionSettings,
+        description="Rates and in-flight caps per key and per user, checked before a body is read (429 with Retry-After).",
     )
     add_limits: AddLimits = Field(
         default_factory=AddLimits, description="What one memory add may carry (413 past it); per-user quotas are memory.quota."

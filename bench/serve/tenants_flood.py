@@ -1,8 +1,11 @@
-"""One tenant's flood of adds against another tenant's chats (issue 25, fairness), on the CPU service.
+"""One tenant's flood against another tenant's chats, on the CPU service: fairness (issue 25) and
+hostile clients (issue 36).
 
 Starts the service itself (config.yaml's settings, auth.mode keys, a fresh Redis and arena, Ray
-in this process), mints an API key for each of two users, then:
+in this process, Serve's proxy with serve_app.ingress.proxy_guard), mints an API key for each of
+two users (A: ann, B: bea), then one of three runs:
 
+Fairness (default; issue 25; admission off, so that the shard's own fairness is what is measured):
 1. B stores --b-facts facts (waiting for their KV) and chats alone: --alone-chats chats of
    --max-tokens tokens, memory mode kv, one after another;
 2. A floods: --clients clients each add --batch-facts-fact batches as fast as they are answered for
@@ -12,13 +15,23 @@ in this process), mints an API key for each of two users, then:
    p50 is over both sets, so a change in the shared machine's load counts on both sides;
 4. afterwards: every fact A got a 200 for must be listed (lost_facts), and B's facts must still
    have live KV (b_facts_evicted: B's facts whose KV is not live once the flood is over).
+   Writes bench/results/tenants_cpu.json (--unfair: the fairness settings off, tenants_cpu_unfair.json).
 
-Prints a table and writes bench/results/tenants_cpu.json (--unfair: the fairness settings off,
-bench/results/tenants_cpu_unfair.json): alone_p50_s, during_flood_p50_s, ratio, flood_statuses,
-b_facts_evicted, lost_facts, and the settings used.
+--hostile (issue 36; config.yaml's admission): B chats once a second alone for --alone-s; then
+--processes processes of A's key each send chats and adds (4 facts) as fast as the server answers,
+ignoring Retry-After, for --flood-s while B keeps chatting once a second; then, A's backlog
+encoded, B alone again for --alone-s. /health is probed twice a second throughout. Writes
+bench/results/flood_cpu.json: B's p50 and p95 during the flood against alone (both sides), A's
+statuses and answer times, /health's slowest answer.
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.serve.tenants_flood
-    PYTHONPATH=$PWD .venv/bin/python -m bench.serve.tenants_flood --unfair
+--stalled N (issue 36): as --hostile, but instead of the flood N connections send their headers
+(Content-Length 1000) and 10 bytes of body and stall, each reopened once closed, for --flood-s;
+with the settings admin key, which admission does not limit, so every one waits for its body.
+Writes bench/results/stalled_cpu.json: how long each was held and how it was answered, B's p50.
+
+    PYTHONPATH=$PWD .venv/bin/python -m bench.serve.tenants_flood [--unfair]
+    PYTHONPATH=$PWD .venv/bin/python -m bench.serve.tenants_flood --hostile
+    PYTHONPATH=$PWD .venv/bin/python -m bench.serve.tenants_flood --stalled 100
 """
 
 from __future__ import annotations
@@ -33,6 +46,8 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +64,21 @@ UNFAIR = {"max_pending_encodes_per_user": 0, "arena_floor_entries_per_user": 0, 
 QUESTION = "What does Bea keep in the blue tin?"
 
 
-def service_args(redis_url: str, arena_dir: str, arena_pages: int, unfair: bool) -> dict[str, Any]:
-    """config.yaml's application args, with the bench's Redis, arena, keys and fairness settings."""
+def service_args(redis_url: str, arena_dir: str, arena_pages: int | None, unfair: bool, admission: bool = False) -> dict[str, Any]:
+    """config.yaml's application args, with the bench's Redis, arena, keys and fairness settings;
+    config.yaml's admission only when `admission` (the fairness runs measure the shard alone)."""
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
     args = config["applications"][0]["args"]
     namespace = f"tenants{uuid.uuid4().hex[:6]}"
     args.update(redis_url=redis_url, namespace=namespace, llm_replica_num_cpus=0,
                 auth={"mode": "keys", "admin_key": ADMIN_KEY})
+    if not admission:
+        args["admission"] = {"enabled": False}
     args["engine"]["model"] = str(prepare_smollm2())
     memory = args.setdefault("memory", {})
     memory.update(arena_dir=arena_dir, redis_prefix=f"kvmem-{namespace}")
-    memory.setdefault("arena", {})["num_pages"] = arena_pages
+    if arena_pages is not None:
+        memory.setdefault("arena", {})["num_pages"] = arena_pages
     if unfair:
         memory.update(UNFAIR)
     return args
@@ -135,20 +154,27 @@ def p50(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+@contextmanager
+def running_service(
+    args: argparse.Namespace, hostile: bool, **changes: Any
+) -> Iterator[tuple[httpx.Client, dict[str, str], dict[str, Any]]]:
+    """The service (module docstring; `changes` to its args), an HTTP client on it, the two users' keys and the settings."""
     import ray
     from ray import serve
 
     from serve_app.app import build_app
+    from serve_app.ingress.proxy_guard import CALLBACK, CALLBACK_VARIABLE
 
     workdir = Path(tempfile.mkdtemp(prefix="kvmem-tenants-"))
     arena_dir = tempfile.mkdtemp(prefix="kvmem-tenants-", dir="/dev/shm")
     redis = LocalRedis(workdir / "redis").start()
     port = free_loopback_port()
-    settings = service_args(redis.url, arena_dir, args.arena_pages, args.unfair)
+    settings = service_args(redis.url, arena_dir, None if hostile else args.arena_pages, args.unfair, admission=hostile) | changes
+    os.environ.setdefault(CALLBACK_VARIABLE, CALLBACK)  # as scripts/serve.sh runs it
+    http_options = yaml.safe_load((ROOT / "config.yaml").read_text())["http_options"]
     try:
         ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={**http_options, "host": "127.0.0.1", "port": port})
         print("starting the service (config.yaml, auth.mode keys) ...", flush=True)
         started = time.perf_counter()
         serve.run(build_app(settings), name="kvmem", route_prefix="/")
@@ -159,6 +185,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             made = client.post("/v1/admin/keys", json={"users": [user], "label": f"tenants bench {user}"}, headers=bearer(ADMIN_KEY))
             made.raise_for_status()
             keys[user] = made.json()["key"]
+        yield client, keys, settings
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        redis.stop()
+        shutil.rmtree(arena_dir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with running_service(args, hostile=False) as (client, keys, settings):
         b_facts = [f"Bea keeps fact {i} in the blue tin: {i} silver coins from Porto." for i in range(args.b_facts)]
         added = client.post("/v1/memories", json={"user_id": "bea", "facts": b_facts, "wait_for_kv": True}, headers=bearer(keys["bea"]))
         added.raise_for_status()
@@ -224,12 +261,61 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
         }
         return result
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        redis.stop()
-        shutil.rmtree(arena_dir, ignore_errors=True)
-        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_hostile(args: argparse.Namespace) -> dict[str, Any]:
+    """--hostile or --stalled (module docstring): B alone, B beside the flood or the stalled
+    connections, B alone again; /health throughout."""
+    from bench.serve.hostile_clients import FloodProcesses, HealthProbe, PacedChats, StalledConnections, quantiles
+
+    with running_service(args, hostile=True) as (client, keys, settings):
+        url = str(client.base_url).rstrip("/")
+        b_facts = [f"Bea keeps fact {i} in the blue tin: {i} silver coins from Porto." for i in range(args.b_facts)]
+        client.post("/v1/memories", json={"user_id": "bea", "facts": b_facts, "wait_for_kv": True}, headers=bearer(keys["bea"])).raise_for_status()
+        bea = PacedChats(url, keys["bea"], "bea", args.max_tokens)
+        bea.run(3.0)  # warm-up, not counted
+        health = HealthProbe(url).start()
+        load = {"before_alone": os.getloadavg()[0]}
+        alone = bea.run(args.alone_s)
+        load["before_flood"] = os.getloadavg()[0]
+        print(f"B alone: {quantiles(alone)}", flush=True)
+        if args.stalled:
+            stalls = StalledConnections(url, ADMIN_KEY, args.stalled).start()
+            during = bea.run(args.flood_s)
+            stalls.join()
+            held = [c["held_s"] for c in stalls.closed if "held_s" in c]
+            attack: dict[str, Any] = {
+                "connections": args.stalled, "closed": len(stalls.closed), "held_s": quantiles(held),
+                "answers": dict(Counter(c.get("status_line") or c.get("error") for c in stalls.closed)),
+                "body_timeout_s": settings.get("body_timeout_s"),
+            }
+        else:
+            flood = FloodProcesses(url, keys["ann"], "ann", args.processes, args.flood_s, args.max_tokens).start()
+            during = bea.run(args.flood_s)
+            outs = flood.join()
+            attack = {"processes": args.processes, "per_process": outs,
+                      "requests_per_s": round(sum(o[w]["requests"] for o in outs for w in o) / args.flood_s, 1)}
+        load["after_attack"] = os.getloadavg()[0]
+        print(f"B beside the {'stalled connections' if args.stalled else 'flood'}: {quantiles(during)}", flush=True)
+        drained_s = wait_for_no_pending(client, args.drain_wait_s)
+        after = bea.run(args.alone_s)
+        load["after_alone"] = os.getloadavg()[0]
+        health_report = health.join()
+        alone_all = alone + after
+        base, hit = quantiles(alone_all), quantiles(during)
+        return {
+            "mode": "stalled" if args.stalled else "hostile flood",
+            "b_alone": base, "b_alone_before": quantiles(alone), "b_alone_after": quantiles(after),
+            "b_during": hit,
+            "p50_ratio": round(hit["p50_s"] / base["p50_s"], 2), "p95_ratio": round(hit["p95_s"] / base["p95_s"], 2),
+            "b_statuses": dict(bea.statuses), "health": health_report, "attack": attack,
+            "backlog_drained_s": None if drained_s is None else round(drained_s, 1),
+            "load_average_1m": load,
+            "b_alone_s": [round(v, 3) for v in alone_all], "b_during_s": [round(v, 3) for v in during],
+            "settings": {"admission": settings.get("admission"), "body_timeout_s": settings.get("body_timeout_s"),
+                         "flood_s": args.flood_s, "alone_s": args.alone_s, "max_tokens": args.max_tokens, "b_facts": args.b_facts,
+                         "memory_mode": "kv", "auth_mode": "keys", "engine": settings["engine"]},
+        }
 
 
 def table(result: dict[str, Any]) -> str:
@@ -252,7 +338,7 @@ def table(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--unfair", action="store_true", help="fairness settings off (the before measurement)")
-    parser.add_argument("--flood-s", type=float, default=40.0)
+    parser.add_argument("--flood-s", type=float, default=None, help="seconds of flood (default 40; --hostile, --stalled: 60)")
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--batch-facts", type=int, default=16)
     parser.add_argument("--b-facts", type=int, default=8)
@@ -262,12 +348,25 @@ def main() -> None:
     parser.add_argument("--max-backoff-s", type=float, default=2.0, help="most seconds A waits after a 429")
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--drain-wait-s", type=float, default=90.0, help="most seconds to wait for A's backlog before B chats alone again")
+    parser.add_argument("--hostile", action="store_true", help="issue 36: A's key floods chats and adds, ignoring Retry-After")
+    parser.add_argument("--stalled", type=int, default=0, help="issue 36: this many connections stall in their body instead")
+    parser.add_argument("--processes", type=int, default=2, help="--hostile: flooding processes of A's key")
+    parser.add_argument("--alone-s", type=float, default=30.0, help="--hostile, --stalled: seconds B chats alone, before and after")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    result = run(args)
-    out = args.out or ROOT / "bench" / "results" / ("tenants_cpu_unfair.json" if args.unfair else "tenants_cpu.json")
+    results = ROOT / "bench" / "results"
+    if args.hostile or args.stalled:
+        args.flood_s = 60.0 if args.flood_s is None else args.flood_s
+        result = run_hostile(args)
+        out = args.out or results / ("stalled_cpu.json" if args.stalled else "flood_cpu.json")
+        printed = json.dumps({k: result[k] for k in ("mode", "b_alone", "b_during", "p50_ratio", "p95_ratio", "health", "load_average_1m")}, indent=1)
+    else:
+        args.flood_s = 40.0 if args.flood_s is None else args.flood_s
+        result = run(args)
+        out = args.out or results / ("tenants_cpu_unfair.json" if args.unfair else "tenants_cpu.json")
+        printed = table(result)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
+    print(printed)
     print(f"wrote {out}")
 
 

@@ -25,7 +25,7 @@ class CompletionRoutes(ChatRoutes):
     ) -> CompletionResponse | StreamingResponse:
         replica: Any = self._home_replica()
         if request.user:
-            self.auth.require_user(principal, request.user)
+            await self._authorize(principal, request.user, "chats")
             try:
                 replica = await self._replica_of_user(request.user)
             except HTTPException:

@@ -8,18 +8,24 @@ as OpenAI's API and its clients expect (`openai.BadRequestError.param`, `.code`,
   that API catches), `param` the dotted field path (`messages.0.content`), `code` pydantic's error
   type; a field this service does not implement is refused by name (`code: unsupported_parameter`);
 - HTTPException (the ingress's own refusals, unknown routes, 405): its status; a replica's
-  RequestRejected / NotFound behind it lends its `param` and `code` (`model_not_found`);
+  RequestRejected / NotFound behind it lends its `param` and `code` (`model_not_found`); a path
+  no route serves is 404 `route_not_found` naming the method and path (never Mem0's "not found"
+  of a memory), a wrong method 405 `method_not_allowed`;
 - anything else: 500, or 503 when a replica or the memory shard is unavailable or overloaded
   (`http_error` maps a replica's exceptions: refusals, a dead engine, quotas, Redis away or full);
-- before any route: 401 without a valid key and 413 for a body over `max_body_bytes`, answered by
-  serve_app.ingress.gate with these same bodies; 413 `request_too_large` for an add past `add_limits`;
+- before any route: 401 without a valid key, 429 `rate_limited` / `too_many_requests_in_flight`
+  past a key's or user's admission (with Retry-After), 413 for a body over `max_body_bytes`, 408
+  `request_timeout` for a body not in by `body_timeout_s`, 400 `nested_too_deep` past
+  `max_json_depth`, answered by serve_app.ingress.gate with these same bodies; 413
+  `request_too_large` for an add past `add_limits`;
 - 429 `quota_exceeded` (`param` the quota's setting, the message the user's use and limit) for a
   write past a per-user quota, 507 `memory_store_full` with Retry-After when Redis refused a write
   at its maxmemory: in both cases nothing was stored.
 
 `install_error_handlers(api)` registers the handlers and rewrites the app's OpenAPI document so
-that every operation documents these statuses with the ErrorResponse schema (and the chat route
-its JSON answer and its server-sent events), which the schema-driven fuzz test holds it to.
+that every operation documents these statuses with the ErrorResponse schema (and the chat and
+text-completion routes their JSON answer and their server-sent events), which the schema-driven
+fuzz test holds it to.
 RefusalsAreNotFailures keeps Ray Serve from logging a replica's refusals as failed requests.
 Imports neither torch nor vLLM: it runs in the ingress.
 """
@@ -38,11 +44,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memory.fairness import EncodeBacklogFull
 from memory.records import QuotaExceeded, StoreFull, StoreUnavailable
+from serve_app.completion_protocol import CompletionResponse
 from serve_app.protocol import ChatCompletionChunk, ChatCompletionResponse, EngineUnavailable, ErrorResponse, NotFound, RequestRejected
 
 logger = logging.getLogger(__name__)
 
-ERROR_STATUSES = (400, 401, 403, 404, 405, 413, 429, 500, 503, 504, 507)
+ERROR_STATUSES = (400, 401, 403, 404, 405, 408, 413, 429, 500, 503, 504, 507)
 _TYPE_OF_STATUS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
 # Ray's signs that a replica or actor is gone or full: the service is unavailable, not broken.
 _UNAVAILABLE = {
@@ -50,7 +57,7 @@ _UNAVAILABLE = {
     "ActorUnavailableError", "RayActorError", "ShardTimeout",
 }
 # memory.records and memory.fairness: 429 and 507, their `code` and `param` kept
-_REFUSALS_WITH_A_CODE = {"QuotaExceeded", "StoreFull", "EncodeBacklogFull"}
+_REFUSALS_WITH_A_CODE = {"QuotaExceeded", "StoreFull", "EncodeBacklogFull", "Refused"}  # Refused: serve_app.ingress.admission
 _CODE_OF_STATUS = {401: "invalid_api_key"}
 UNAVAILABLE_RETRY_AFTER_S = "5"  # as for a Redis outage (routes.http_error): a restarted replica or shard is back within seconds
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -134,10 +141,10 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     param = getattr(origin, "param", None)
     code = getattr(origin, "code", None) or _CODE_OF_STATUS.get(exc.status_code)
     message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    if exc.status_code == 404 and message == "Not Found" and origin is None:
-        message = f"no route {request.method} {request.url.path}"
+    if exc.status_code == 404 and message == "Not Found" and origin is None:  # Starlette's: no route matched
+        message, code = f"no route {request.method} {request.url.path}", "route_not_found"
     elif exc.status_code == 405:
-        message = f"method {request.method} is not allowed on {request.url.path}"
+        message, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
     return error_response(exc.status_code, message, param, code, headers=dict(exc.headers or {}) or None)
 
 
@@ -171,9 +178,10 @@ def _json(ref: str) -> dict[str, Any]:
 
 
 def document_responses(schema: dict[str, Any]) -> dict[str, Any]:
-    """Every operation's error statuses (ErrorResponse) and the chat route's two answer forms."""
+    """Every operation's error statuses (ErrorResponse), and the two answer forms of the chat and text-completion routes."""
     refs, definitions = models_json_schema(
-        [(ErrorResponse, "serialization"), (ChatCompletionResponse, "serialization"), (ChatCompletionChunk, "serialization")],
+        [(ErrorResponse, "serialization"), (ChatCompletionResponse, "serialization"), (ChatCompletionChunk, "serialization"),
+         (CompletionResponse, "serialization")],
         ref_template="#/components/schemas/{model}",
     )
     components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -183,6 +191,7 @@ def document_responses(schema: dict[str, Any]) -> dict[str, Any]:
     error_ref = refs[(ErrorResponse, "serialization")]["$ref"]
     chat_ref = refs[(ChatCompletionResponse, "serialization")]["$ref"]
     chunk_ref = refs[(ChatCompletionChunk, "serialization")]["$ref"]
+    completion_ref = refs[(CompletionResponse, "serialization")]["$ref"]  # its stream's events are the same model
     for path, operations in schema.get("paths", {}).items():
         for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
@@ -193,6 +202,11 @@ def document_responses(schema: dict[str, Any]) -> dict[str, Any]:
                 responses["200"] = {
                     "description": "A chat.completion, or with stream=true server-sent chat.completion.chunk events.",
                     "content": {**_json(chat_ref), "text/event-stream": {"schema": _sse_event(chunk_ref)}},
+                }
+            if path == "/v1/completions" and method == "post":
+                responses["200"] = {
+                    "description": "A text_completion, or with stream=true server-sent text_completion events.",
+                    "content": {**_json(completion_ref), "text/event-stream": {"schema": _sse_event(completion_ref)}},
                 }
     for unused in ("HTTPValidationError", "ValidationError"):
         components.pop(unused, None)

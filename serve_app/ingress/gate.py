@@ -7,23 +7,34 @@ key was read and parsed in full. The gate runs before routing, on the raw reques
 1. every path but OPEN_PATHS needs a valid key (serve_app.ingress.auth.Authenticator, from the
    `Authorization: Bearer` or Mem0's `Token` header alone): 401 (or 503 while the key store cannot answer) without
    one receive() of the body;
-2. the body is bounded while it is read (`max_body_bytes`, serve_app.settings): 413 at once when
-   Content-Length says more, else as soon as the bytes received (chunked or not, whatever
-   Content-Length claimed) cross it, before anything parses them;
-3. the admitted request goes on with the Principal in `request.state.principal` (the routes read
-   it there) and its body replayed from the bytes read.
+2. admission (serve_app.ingress.admission): the key's (or its one user's) rate for the request's
+   class and its in-flight caps, 429 with Retry-After before one receive() of the body; a key
+   that ignores Retry-After has its refusals held a while (no parse, no Ray call meanwhile);
+3. the body is bounded while it is read: in size (`max_body_bytes`: 413 at once when
+   Content-Length says more, else as soon as the bytes received cross it) and in time
+   (`body_timeout_s`: 408 and Connection: close when the whole body has not arrived by then: a
+   client that declares 1,000 bytes and sends 10 no longer holds its request forever);
+4. a body nested deeper than `max_json_depth` is refused (400 naming the field) before anything
+   parses it (serve_app.ingress.body_depth);
+5. the admitted request goes on with the Principal in `request.state.principal` (the routes read
+   it there) and its body replayed from the bytes read; its in-flight slot is freed when it is answered.
 Errors are OpenAI-shaped (serve_app.ingress.errors). The gate sits on the routes' FastAPI app, so
-both routing modes (ChatAPI, or each LLM replica with `routing: direct`) are gated alike.
+both routing modes (ChatAPI, or each LLM replica with `routing: direct`) are gated alike. What the
+gate cannot see (a connection that never completes its headers, how many connections an address
+holds) is bounded in Serve's proxy: serve_app.ingress.proxy_guard.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Awaitable, Callable, MutableMapping, Protocol
 
 from fastapi import HTTPException
 
+from serve_app.ingress.admission import Admission, Refused, Ticket, request_class
 from serve_app.ingress.auth import Authenticator
+from serve_app.ingress.body_depth import too_deep
 from serve_app.ingress.errors import error_response
 
 Scope = MutableMapping[str, Any]
@@ -39,7 +50,10 @@ class Gated(Protocol):
     """What the gate needs of the ingress it guards (serve_app.ingress.routes.ChatRoutes)."""
 
     auth: Authenticator
+    admission: Admission
     max_body_bytes: int
+    body_timeout_s: float
+    max_json_depth: int
 
 
 class BodyTooLarge(Exception):
@@ -51,6 +65,12 @@ def _route_path(scope: Scope) -> str:
     if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
         return path[len(root):] or "/"
     return path
+
+
+def _connection(scope: Scope) -> str | None:
+    """The client's address and port (Serve's proxy passes its connection's), or None."""
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else None
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -83,29 +103,68 @@ class RequestGate:
             return
         ingress = self.ingress()
         state = scope["state"] = dict(scope.get("state") or {})  # this request's own (a server may share one)
-        if _route_path(scope) not in OPEN_PATHS:
+        ticket = Ticket()
+        path = _route_path(scope)
+        if path not in OPEN_PATHS:
             started = time.perf_counter()
             try:
-                state["principal"] = await ingress.auth.principal(api_key_of(_header(scope, b"authorization")))
+                principal = state["principal"] = await ingress.auth.principal(api_key_of(_header(scope, b"authorization")))
             except HTTPException as refused:
+                address = (scope.get("client") or (None,))[0]
+                hold = ingress.admission.unauthenticated_hold(address) if refused.status_code == 401 else 0.0
+                if hold > 0:  # calling again at once without a valid key: paced, as a key ignoring Retry-After is
+                    async with ingress.admission.held(f"address:{address}"):
+                        await asyncio.sleep(hold)
                 await self._refuse(scope, receive, send, refused.status_code, str(refused.detail), dict(refused.headers or {}))
                 return
             state["auth_ms"] = (time.perf_counter() - started) * 1e3
+            kind = state["request_class"] = request_class(scope.get("method", "GET"), path)
+            try:
+                ticket = ingress.admission.admit(principal, kind, _connection(scope))
+            except Refused as refused:
+                await self._answer_refusal(ingress.admission, principal.key_id, refused, scope, receive, send)
+                return
+        try:
+            body = await self._bounded_body(ingress, scope, receive, send)
+            if body is not None:
+                await self.app(scope, self._replay(body, receive), send)
+        finally:
+            ingress.admission.release(ticket)
+
+    async def _bounded_body(self, ingress: Gated, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The body, or None once the client is gone or the request has been answered (413, 408, 400)."""
         limit = ingress.max_body_bytes
         try:
             declared = int(_header(scope, b"content-length") or 0)
         except ValueError:
             declared = 0  # uvicorn refuses a malformed Content-Length before the app; counted below anyway
+        close = {"Connection": "close"}
         try:
             if declared > limit:
                 raise BodyTooLarge
-            body = await self._read(receive, limit)
+            async with asyncio.timeout(ingress.body_timeout_s):
+                body = await self._read(receive, limit)
         except BodyTooLarge:
             message = f"the request body is larger than this service accepts ({limit} bytes)"
-            await error_response(413, message, code="request_too_large", headers={"Connection": "close"})(scope, receive, send)
-            return
+            await error_response(413, message, code="request_too_large", headers=close)(scope, receive, send)
+            return None
+        except TimeoutError:
+            message = f"the request body did not arrive within {ingress.body_timeout_s:g} s (body_timeout_s)"
+            await error_response(408, message, code="request_timeout", headers=close)(scope, receive, send)
+            return None
         if body is None:
-            return  # the client went away while sending
+            return None  # the client went away while sending
+        deep = too_deep(body, ingress.max_json_depth)
+        if deep is not None:
+            depth, where = deep
+            field = f"{where}: " if where else "the request body: "
+            message = f"{field}nested {depth} levels of arrays and objects deep; at most {ingress.max_json_depth} (max_json_depth)"
+            await error_response(400, message, param=where, code="nested_too_deep")(scope, receive, send)
+            return None
+        return body
+
+    @staticmethod
+    def _replay(body: bytes, receive: Receive) -> Receive:
         replayed = False
 
         async def replay() -> Message:
@@ -115,7 +174,15 @@ class RequestGate:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: http.disconnect, as the app expects
 
-        await self.app(scope, replay, send)
+        return replay
+
+    @staticmethod
+    async def _answer_refusal(admission: Admission, key_id: str, refused: Refused, scope: Scope, receive: Receive, send: Send) -> None:
+        """429 for a refused admission, after its hold (a key calling again before its Retry-After)."""
+        if refused.hold_s > 0:
+            async with admission.held(key_id):
+                await asyncio.sleep(refused.hold_s)
+        await error_response(429, refused.message, code=refused.code, headers=refused.headers())(scope, receive, send)
 
     @staticmethod
     async def _read(receive: Receive, limit: int) -> bytes | None:

@@ -7,8 +7,8 @@ checks), so it starts in a second and stays light. With `routing: direct` the sa
 inside each LLM replica (serve_app.replica.direct_ingress), one Serve hop fewer. Subclasses add the
 Mem0 platform's routes (.mem0_routes) and text completions (.completion_routes).
 
-Routes (OpenAI chat completions plus memory operations in Mem0's shapes, serve_app.memory_protocol;
-every memory route also answers at its path with a trailing slash, as Mem0's clients call it):
+Routes (OpenAI chat completions, memory operations in Mem0's shapes: serve_app.memory_protocol;
+a memory route answers with or without a trailing slash, as Mem0's clients call it):
     POST   /v1/chat/completions          chat; `user` selects the memory, `memory` the mode
     POST   /v1/completions               text completion, no memory (serve_app.ingress.completion_routes)
     POST   /v1/memories                  add (messages -> extracted facts, or facts given)
@@ -24,30 +24,34 @@ every memory route also answers at its path with a trailing slash, as Mem0's cli
     GET    /health                       Redis, and each replica's engine and shard (no key needed)
 
 Who may do what (serve_app.ingress.auth): with `auth.mode: keys` every route but /health needs a key,
-checked with the body's size by serve_app.ingress.gate before the body is read (401, 413); a key
-acts only for its users: 403 for another user's data, and fact-id routes answer the same 404 for
-"not yours", "does not exist" and any id not of the minted shape (memory.records.is_fact_id).
-
+checked with the body's size, depth and deadline and the key's rates by serve_app.ingress.gate
+before the body is read (401, 429, 413, 408, 400); a key acts only for its users (403, and a
+user's own rates: `_authorize`); fact-id routes answer one 404 for "not yours", "does not exist"
+and any id not of the minted shape (memory.records.is_fact_id). Undeclared query parameters are
+400 and unknown routes 404 `route_not_found` (serve_app.ingress.strict_routes).
 The application is assembled by serve_app.app.build_app.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
+from typing import Any, AsyncIterator, Awaitable
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import Depends, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from memory.directory import UserDirectory
 from memory.records import StoreUnavailable, is_fact_id
+from serve_app.ingress.admission import Admission, RequestClass, Refused
 from serve_app.ingress.auth import Authenticator, KeyRecord, KeyStore, NewKeyRequest, Principal, caller
 from serve_app.ingress.replica_calls import answer_unless, with_failover
 from serve_app.ingress.errors import http_error, install_error_handlers, store_unavailable
 from serve_app.ingress.gate import RequestGate
+from serve_app.ingress.strict_routes import register, strict_app
 from serve_app.memory_protocol import (
     AddMemoryRequest,
     MemoryHistoryItem,
@@ -61,9 +65,8 @@ from serve_app.settings import ServiceSettings
 from serve_app.stage_timings import StageClock, stage_histogram
 
 logger = logging.getLogger(__name__)
-EndpointT = TypeVar("EndpointT", bound=Callable[..., Any])
 
-api = FastAPI(title="kv-memory-serve", description="LLM serving with per-user KV-injected memory.")
+api = strict_app(title="kv-memory-serve", description="LLM serving with per-user KV-injected memory.")
 install_error_handlers(api)  # OpenAI-shaped 4xx/5xx bodies, documented in the OpenAPI schema
 
 
@@ -73,20 +76,11 @@ def serving_ingress() -> "ChatRoutes":
     return serve.get_replica_context().servable_object
 
 
-# Before routing, so before FastAPI reads a body: key (401) and body size (413) first.
+# Before routing, so before FastAPI reads a body: key (401), rates (429), body size, deadline and depth (413, 408, 400).
 api.add_middleware(RequestGate, ingress=serving_ingress)
 
 
-def memory_route(verb: Literal["GET", "POST", "PUT", "DELETE"], path: str) -> Callable[[EndpointT], EndpointT]:
-    """Registers a route at `path` and at `path/`: Mem0's clients end every path with a slash, and a
-    redirect would cost them a round trip (httpx does not follow it). The alias is left out of the schema."""
-
-    def register(endpoint: EndpointT) -> EndpointT:
-        api.add_api_route(path, endpoint, methods=[verb])
-        api.add_api_route(f"{path}/", endpoint, methods=[verb], include_in_schema=False)
-        return endpoint
-
-    return register
+memory_route = functools.partial(register, api)  # a route at its path and its trailing-slash twin
 
 
 class ChatRoutes:
@@ -105,7 +99,9 @@ class ChatRoutes:
         self.directory = UserDirectory.from_url(settings.redis_url, prefix, password=password)
         self.keys = KeyStore.from_url(settings.redis_url, prefix, settings.auth.cache_ttl_s, password=password)
         self.auth = Authenticator(settings.auth, self.keys)
-        self.max_body_bytes = settings.max_body_bytes  # the RequestGate's bound
+        self.max_body_bytes, self.body_timeout_s = settings.max_body_bytes, settings.body_timeout_s  # the RequestGate's bounds
+        self.max_json_depth = settings.max_json_depth
+        self.admission = Admission.of(settings)
         if getattr(self, "stage_seconds", None) is None:  # the LLM replica may have made it
             self.stage_seconds = stage_histogram()
 
@@ -142,8 +138,20 @@ class ChatRoutes:
         """Why a request for `shard` is answered 503 now (the router: serve_app.ingress.shard_availability)."""
         return None
 
+    async def _authorize(self, principal: Principal, user_id: str, kind: RequestClass) -> None:
+        """403 unless the key may act for `user_id`; 429 past the user's buckets (a key of several
+        users: its own were spent in the RequestGate, serve_app.ingress.admission)."""
+        self.auth.require_user(principal, user_id)
+        try:
+            self.admission.admit_user(principal, user_id, kind)
+        except Refused as refused:
+            if refused.hold_s > 0:
+                async with self.admission.held(principal.key_id):
+                    await asyncio.sleep(refused.hold_s)
+            raise HTTPException(429, refused.message, refused.headers()) from refused
+
     async def _replica_of_fact(
-        self, principal: Principal, fact_id: str, user_id: str | None
+        self, principal: Principal, fact_id: str, user_id: str | None, kind: RequestClass = "reads"
     ) -> tuple[DeploymentHandle, str]:
         """The replica and owner of a fact the caller may touch; one 404 for absent, not yours, and
         an id the service never mints (not looked up: it could name another Redis key)."""
@@ -153,6 +161,7 @@ class ChatRoutes:
             raise store_unavailable(exc) from exc
         if owner is None or not principal.may_act_for(owner) or (user_id is not None and owner != user_id):
             raise HTTPException(status_code=404, detail=f"no memory {fact_id!r}")
+        await self._authorize(principal, owner, kind)
         return await self._replica_of_user(owner), owner
 
     async def _answer(self, call: Awaitable[Any], shard: int | None = None) -> Any:
@@ -185,7 +194,7 @@ class ChatRoutes:
         routed = clock.started
         shard: int | None = None
         if request.user:
-            self.auth.require_user(principal, request.user)
+            await self._authorize(principal, request.user, "chats")
             shard = self.directory.cached_shard(request.user)
             if shard is None:
                 try:
@@ -243,7 +252,7 @@ class ChatRoutes:
     async def add_memories(
         self, request: AddMemoryRequest, principal: Principal = Depends(caller)
     ) -> dict[str, Any]:
-        self.auth.require_user(principal, request.user_id)
+        await self._authorize(principal, request.user_id, "writes")
         too_large = self.settings.add_limits.refusal(request)
         if too_large is not None:  # 413 before anything is stored (settings add_limits)
             message, param = too_large
@@ -257,7 +266,7 @@ class ChatRoutes:
         return {"results": await self._memories_of(principal, user_id)}
 
     async def _memories_of(self, principal: Principal, user_id: str) -> list[MemoryItem]:
-        self.auth.require_user(principal, user_id)
+        await self._authorize(principal, user_id, "reads")
         records = await self._answer((await self._replica_of_user(user_id)).get_all.remote(user_id))
         return [MemoryItem.of(r) for r in records]
 
@@ -265,7 +274,7 @@ class ChatRoutes:
     async def search_memories(
         self, request: SearchMemoryRequest, principal: Principal = Depends(caller)
     ) -> dict[str, list[MemorySearchHit]]:
-        self.auth.require_user(principal, request.user_id)
+        await self._authorize(principal, request.user_id, "reads")
         replica = await self._replica_of_user(request.user_id)
         hits = await self._answer(replica.search.remote(request.user_id, request.query, request.limit))
         floor = request.threshold
@@ -281,7 +290,7 @@ class ChatRoutes:
         self, fact_id: str, request: UpdateMemoryRequest, user_id: str | None = None,
         principal: Principal = Depends(caller),
     ) -> MemoryItem:
-        replica, owner = await self._replica_of_fact(principal, fact_id, user_id)
+        replica, owner = await self._replica_of_fact(principal, fact_id, user_id, "writes")
         call = replica.update.remote(fact_id, owner, request.text, metadata=request.metadata, wait_for_kv=request.wait_for_kv)
         return MemoryItem.of(await self._answer(call))
 
@@ -289,7 +298,7 @@ class ChatRoutes:
     async def delete_memory(
         self, fact_id: str, user_id: str | None = None, principal: Principal = Depends(caller)
     ) -> dict[str, Any]:
-        replica, owner = await self._replica_of_fact(principal, fact_id, user_id)
+        replica, owner = await self._replica_of_fact(principal, fact_id, user_id, "writes")
         await self._answer(replica.delete.remote(fact_id, owner))
         return {"message": f"memory {fact_id} deleted"}
 
@@ -297,7 +306,7 @@ class ChatRoutes:
     async def delete_memories(
         self, user_id: str = Query(..., min_length=1, max_length=256), principal: Principal = Depends(caller),
     ) -> dict[str, Any]:
-        self.auth.require_user(principal, user_id)
+        await self._authorize(principal, user_id, "writes")
         deleted = await self._answer((await self._replica_of_user(user_id)).delete_all.remote(user_id))
         self.directory.forget_user(user_id)  # its placement is erased with its memory
         return {"message": f"{deleted} memories of {user_id} deleted", "deleted": deleted}

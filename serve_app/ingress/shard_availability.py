@@ -7,7 +7,8 @@ CPU (issue 26 measured 52 s), longer than a client should wait without an answer
 deployment has no RUNNING replica it answers 503 with Retry-After at once. The state is polled from
 the controller (`serve.status()`, in a thread, every `period_s`), not guessed from timeouts: a busy
 replica that answers slowly is never shed. Optimistic when the controller cannot be asked (a shard
-is "down" only on the controller's word).
+is "down" only on the controller's word). serve_app.ingress.replica_calls.answer_unless gives up a
+call to a shard as soon as its replica is known to be down.
 """
 
 from __future__ import annotations
@@ -85,3 +86,5 @@ def _serve_status() -> Any:
 def _count(states: dict[Any, int], name: str) -> int:
     """The count of replicas in state `name` (keys are ReplicaState enums or their values)."""
     return sum(n for state, n in states.items() if getattr(state, "value", state) == name)
+
+
