@@ -8,6 +8,7 @@ from fastapi import HTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.ingress.admin_routes import AdminRoutes
 from serve_app.ingress.completion_routes import CompletionRoutes
 from serve_app.ingress.mem0_routes import Mem0Routes
 from serve_app.ingress.routes import api
@@ -18,7 +19,7 @@ from serve_app.shard_routing import shard_hint
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress(api)
-class ChatAPI(Mem0Routes, CompletionRoutes):
+class ChatAPI(Mem0Routes, CompletionRoutes, AdminRoutes):
     """user -> shard (assigned once, kept in Redis, cached here) -> the handle of that shard's
     LLMReplica deployment; a shard whose replica Serve is replacing answers 503 at once
     (serve_app.ingress.shard_availability) instead of queueing the request until it is back."""

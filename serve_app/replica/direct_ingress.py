@@ -29,6 +29,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from serve_app.card_plan import replica_actor_options
+from serve_app.ingress.admin_routes import AdminRoutes
 from serve_app.ingress.completion_routes import CompletionRoutes
 from serve_app.ingress.mem0_routes import Mem0Routes
 from serve_app.ingress.routes import api
@@ -83,7 +84,7 @@ class LocalCalls:
         return _LocalMethod(getattr(self._target, name), self._stream)
 
 
-class ReplicaIngress(Mem0Routes, CompletionRoutes, MemoryLLM):
+class ReplicaIngress(Mem0Routes, CompletionRoutes, AdminRoutes, MemoryLLM):
     """An LLM replica that is its own HTTP ingress (see the module docstring)."""
 
     def __init__(self, settings: ServiceSettings) -> None:
