@@ -258,10 +258,8 @@ class MemoryLLM(TextCompletions):
         extraction = None  # what the grounding check kept, dropped and stored as given (memory.grounding)
         if request.messages and request.infer:
             user_turns = [t for t in turns if t.speaker == "user"]
-            facts, extraction = await extract_grounded(
-                self.engine, self.layout, user_turns, self.settings.memory.max_facts_per_turn, self._user_salt(user),
-                fits=self.limits.fact_fits,
-            )
+            facts, extraction = await extract_grounded(self.engine, self.layout, user_turns,
+                                                       self.settings.memory.max_facts_per_turn, self._user_salt(user), fits=self.limits.fact_fits)
         elif request.messages:
             facts += [NewFact(text=t.text, source_id=t.turn_id) for t in turns if t.speaker == "user"]
         # an extracted fact too long for an arena entry is dropped, not stored; the add's metadata goes with each fact
