@@ -5,6 +5,7 @@
                        the vector index (track / forget / clear_user) and answers search()
     rrf_fuse           weighted reciprocal-rank fusion of ranked hit lists (ties share a rank)
     expand             neighbours (same source turn / same session) of the strongest hits
+    turn_diverse       the second stage: one fact per source turn first, then the repeats
     keyword_document   the text a fact is keyword-indexed under (fact, session date, source turn)
     is_time_question   "when ..."-like questions and questions naming a month or a year
     store_turn_texts   source turn texts from the FactStore (Redis), for keyword_document
@@ -12,7 +13,9 @@
 A search (retriever "hybrid"): the dense index's top `candidates` for the query vector and the
 keyword index's top `candidates` for the query text (memory.index.keyword: bm25s), fused with
 rrf_fuse (weights dense_weight, keyword_weight; keyword_weight times time_keyword_boost for a time
-question), then optionally expanded, then cut to k. A hit's score stays the dense cosine where the
+question), then optionally expanded; then the second stage re-orders the first stage's top
+`candidates` (rerank "turn_diverse": a fact whose source turn a better-ranked fact already
+brings moves behind every fact of a new turn); then cut to k. A hit's score stays the dense cosine where the
 dense search returned the fact, and is 0.0 for a fact only the keyword search found (so a
 min-score filter such as reconciliation's never admits a fact on its keyword score).
 
@@ -54,6 +57,7 @@ __all__ = [
     "rrf_fuse",
     "session_date_text",
     "store_turn_texts",
+    "turn_diverse",
 ]
 
 ContextOf = Callable[[str, Sequence[str]], Sequence[str | None]]
@@ -87,6 +91,13 @@ class RetrievalSettings(BaseModel):
     )
     expand_top: int = Field(2, ge=0, description="Strongest hits whose neighbours are added (expand).")
     expand_per_hit: int = Field(1, ge=0, description="Most neighbours added per hit (expand).")
+    rerank: Literal["none", "turn_diverse"] = Field(
+        "turn_diverse",
+        description="Second stage over the first stage's top `candidates`: turn_diverse puts one fact per source turn "
+        "first (a fact of a turn already brought by a better-ranked fact moves behind the others); none keeps the "
+        "first stage's order. LoCoMo evidence recall@10 (docs/retrieval.md): +0.002 overall, +0.009 multi-hop; "
+        "cost about 0.02 ms per search (used on search and chat alike).",
+    )
 
 
 # ---------------------------------------------------------------------------- pure parts
@@ -162,6 +173,25 @@ def expand(ranked: Sequence[str], group_of: Callable[[str], Sequence[str]], top:
     return out[:k]
 
 
+def turn_diverse(ranked: Sequence[str], turn_of: Callable[[str], str | None]) -> list[str]:
+    """`ranked` with every fact whose source turn an earlier fact already has moved behind the
+    facts of new turns (each group keeps its order). Facts of one turn say one thing: the second
+    brings no turn the first did not, while a fact of another turn may (LoCoMo: a question's
+    evidence spans 1.4 turns on average, 3 for multi-hop questions). A fact without a turn is new."""
+    first: list[str] = []
+    repeats: list[str] = []
+    seen: set[str] = set()
+    for fact_id in ranked:
+        turn = turn_of(fact_id)
+        if turn is None or turn not in seen:
+            first.append(fact_id)
+            if turn is not None:
+                seen.add(turn)
+        else:
+            repeats.append(fact_id)
+    return first + repeats
+
+
 def store_turn_texts(store: FactStore) -> ContextOf:
     """(user, turn ids) -> the turns' texts from Redis (one HMGET); Nones when Redis fails."""
     from memory.fact_store import Turn
@@ -193,12 +223,19 @@ class Retriever:
             self.keyword = KeywordIndex(stemmer=settings.stemmer)
         # fact id -> (user id, turn group key, session group key), for expansion
         self._meta: dict[str, tuple[str, str | None, str | None]] = {}
+        self._turn: dict[str, tuple[str, str]] = {}  # fact id -> (user id, source turn id), for the second stage
         self._groups: dict[tuple[str, str], dict[str, None]] = {}  # (user, key) -> fact ids, ordered
 
     # ------------------------------------------------------------------ writes
     def track(self, records: Iterable[FactRecord]) -> None:
         """Index these versions of facts (new facts or new versions; the vector index has them)."""
         records = list(records)
+        if self.settings.rerank == "turn_diverse":
+            for r in records:
+                if r.source_id:
+                    self._turn[r.fact_id] = (r.user_id, r.source_id)
+                else:
+                    self._turn.pop(r.fact_id, None)
         if self.keyword is not None and records:
             contexts: list[str | None] = [None] * len(records)
             if self.context_of is not None:
@@ -226,10 +263,13 @@ class Retriever:
         if self.keyword is not None:
             self.keyword.remove([fact_id])
         self._ungroup(fact_id)
+        self._turn.pop(fact_id, None)
 
     def clear_user(self, user_id: str) -> None:
         if self.keyword is not None:
             self.keyword.clear_user(user_id)
+        for fact_id in [f for f, (user, _) in self._turn.items() if user == user_id]:
+            del self._turn[fact_id]
         for fact_id in [f for f, meta in self._meta.items() if meta[0] == user_id]:
             self._ungroup(fact_id)
 
@@ -253,9 +293,12 @@ class Retriever:
         s = self.settings
         if k <= 0:
             return []
-        if s.retriever == "dense":
-            return self.index.search(user_id, vector, k)[0]
         depth = max(k, s.candidates)
+        if s.retriever == "dense":
+            if s.rerank == "none":
+                return self.index.search(user_id, vector, k)[0]
+            dense_hits = self.index.search(user_id, vector, depth)[0]
+            return self._second_stage([h.fact_id for h in dense_hits], {h.fact_id: h.score for h in dense_hits}, k)
         dense = self.index.search(user_id, vector, depth)[0] if s.retriever == "hybrid" else []
         keyword = self.keyword.search(user_id, query, depth) if query else []
         cosine = {hit.fact_id: hit.score for hit in dense}
@@ -265,13 +308,22 @@ class Retriever:
             position = {fact_id: i for i, fact_id in enumerate(ranked)}
             ranked = expand(ranked, lambda f: self._neighbours(f, position), s.expand_top, s.expand_per_hit, len(ranked) + k)
         index = self.index
-        out: list[SearchHit] = []
+        kept: list[str] = []
+        wanted = depth if s.rerank != "none" else k
         for fact_id in ranked:
             if fact_id in cosine or index.user_of(fact_id) == user_id:  # never a fact the vector index lacks
-                out.append(SearchHit(fact_id, cosine.get(fact_id, 0.0)))
-                if len(out) >= k:
+                kept.append(fact_id)
+                if len(kept) >= wanted:
                     break
-        return out
+        return self._second_stage(kept, cosine, k)
+
+    def _second_stage(self, ranked: list[str], cosine: dict[str, float], k: int) -> list[SearchHit]:
+        """The first stage's top `candidates` (`ranked`, the user's facts only) re-ordered by the
+        rerank setting, cut to k; a hit scores its dense cosine (0.0 when only keywords found it)."""
+        if self.settings.rerank == "turn_diverse":
+            turns = self._turn
+            ranked = turn_diverse(ranked, lambda f: turns[f][1] if f in turns else None)
+        return [SearchHit(fact_id, cosine.get(fact_id, 0.0)) for fact_id in ranked[:k]]
 
     def _neighbours(self, fact_id: str, position: dict[str, int]) -> list[str]:
         """Other facts of the hit's source turn (expand turn) or session (expand session): those

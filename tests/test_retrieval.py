@@ -247,10 +247,55 @@ def test_dense_retriever_is_the_vector_index_alone() -> None:
 
 
 def test_expansion_adds_same_turn_facts_after_a_strong_hit() -> None:
-    s = InStep(RetrievalSettings(retriever="keyword", expand="turn", expand_top=1, expand_per_hit=2, turn_context=False))
+    s = InStep(RetrievalSettings(retriever="keyword", expand="turn", expand_top=1, expand_per_hit=2, turn_context=False, rerank="none"))
     s.add(record("hit", "u", "Alice plays the violin.", "D1:1"))
     s.add(record("same-turn", "u", "Alice practises daily.", "D1:1"))
     s.add(record("other", "u", "Bob plays the violin badly.", "D2:1"))
     assert s.search("u", "Alice violin", 2) == ["hit", "same-turn"]
     s.forget("same-turn")
     assert s.search("u", "Alice violin", 2) == ["hit", "other"]
+
+
+# ---------------------------------------------------------------------------- second stage (issue 38)
+def test_turn_diverse_puts_one_fact_per_turn_first() -> None:
+    from memory.retrieval import turn_diverse
+
+    turn = {"a": "D1:1", "b": "D1:1", "c": "D2:1", "d": None, "e": "D2:1", "f": "D3:1"}
+    assert turn_diverse(list("abcdef"), turn.get) == ["a", "c", "d", "f", "b", "e"]
+    assert turn_diverse([], turn.get) == []
+    assert turn_diverse(["d", "d2"], lambda f: None) == ["d", "d2"]  # facts without a turn are all new
+
+
+@pytest.mark.parametrize("retriever", ["dense", "hybrid", "keyword"])
+def test_second_stage_in_step_with_the_index(retriever: str) -> None:
+    """Same-turn repeats move behind other turns' facts; a deleted, updated or cleared fact's turn is
+    forgotten with it; k cuts after the re-ordering; the dense path re-orders too."""
+    s = InStep(RetrievalSettings(retriever=retriever, turn_context=False))
+    v = np.eye(16, dtype=np.float32)
+    s.add(record("a1", "u", "Alice plays the violin in Leeds.", "D1:1"), v[0])
+    s.add(record("a2", "u", "Alice plays the violin every day.", "D1:1"), v[0] * 0.9 + v[1] * 0.1)
+    s.add(record("b1", "u", "Alice plays violin duets with Bob.", "D2:1"), v[0] * 0.5 + v[1] * 0.5)
+    s.add(record("x1", "other", "Alice plays the violin.", "D1:1"), v[0])
+
+    def search(k: int = 10) -> list[str]:
+        return [h.fact_id for h in s.retriever.search("u", "Alice violin", v[0], k)]
+
+    assert search()[:2] == ["a1", "b1"] or search()[:2] == ["b1", "a1"]
+    assert set(search()) == {"a1", "a2", "b1"} and search()[-1] == "a2"
+    assert len(search(2)) == 2 and "a2" not in search(2)
+    s.forget("a1")  # a2 is now the only fact of D1:1
+    assert set(search(2)) == {"a2", "b1"}
+    s.add(record("a2", "u", "Alice moved to Oslo.", "D3:1"), v[1])  # an update moves a2 to another turn
+    assert set(search()) == {"a2", "b1"}
+    s.clear("u")
+    assert search() == [] and s.retriever._turn.keys() == {"x1"}
+    assert [h.fact_id for h in s.retriever.search("other", "Alice violin", v[0], 5)] == ["x1"]
+
+
+def test_second_stage_off_keeps_the_first_stage_order() -> None:
+    s = InStep(RetrievalSettings(retriever="dense", rerank="none"))
+    v = np.eye(16, dtype=np.float32)
+    s.add(record("a1", "u", "one", "D1:1"), v[0])
+    s.add(record("a2", "u", "two", "D1:1"), v[0] * 0.9 + v[1] * 0.1)
+    s.add(record("b1", "u", "three", "D2:1"), v[0] * 0.5 + v[1] * 0.5)
+    assert [h.fact_id for h in s.retriever.search("u", "", v[0], 3)] == ["a1", "a2", "b1"]

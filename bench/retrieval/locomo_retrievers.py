@@ -1,4 +1,5 @@
-"""LoCoMo evidence recall per retriever (dense, keyword, hybrid, + time, + turn context, + expansion),
+"""LoCoMo evidence recall per retriever (dense, keyword, hybrid, + time, + turn context, + expansion,
++ the second stage),
 through the shard's own retrieval code (memory.retrieval.Retriever over an ExactIndex), and the CPU
 cost of a hybrid search. bench/retrieval/locomo_recall.py calls it; see docs/retrieval.md.
 
@@ -8,9 +9,14 @@ one Retriever; each fact is tracked as a FactRecord as the shard tracks it (sour
 cited turn, session_time = its session's date), and the source turn's text comes from the
 conversation (what add_turns stored, as bench/ingest_locomo.py records it).
 
-Protocol: the few global settings (rrf_k, keyword_weight, time_keyword_boost, expansion) were
-chosen on conversations 0-3 (`--tune` prints that grid and writes it under "tuning"); results are
-reported on all eight and on 4-7 alone, which took no part in the choice.
+Protocol: the few global settings (rrf_k, keyword_weight, time_keyword_boost, expansion, rerank)
+were chosen on the first half of the conversations (0-3 of locomo8.json; `--tune` prints that grid
+and writes it under "tuning"); results are reported on all of them and on the second half alone
+(4-7), which took no part in the choice. The halves follow the file's conversation count.
+
+Second-stage alternatives (`second_stage_alternatives`, on the shipped first stage's top 50,
+parameters fitted or chosen on the first half): an entity boost (names of the question found in
+the fact), session diversity, and a gradient-boosted ranker over 11 first-stage features.
 """
 
 from __future__ import annotations
@@ -28,19 +34,29 @@ from tqdm import tqdm
 from memory.fact_store import FactRecord
 from memory.index import ExactIndex
 from memory.index.keyword import KeywordIndex
-from memory.retrieval import Retriever, RetrievalSettings
+from memory.retrieval import Retriever, RetrievalSettings, turn_diverse
 
 KS = (5, 10, 20, 50)
-SUBSETS = {"all": range(0, 8), "conversations_0_3": range(0, 4), "conversations_4_7": range(4, 8)}
+
+
+
+def halves(n: int) -> dict[str, range]:
+    """all, the first half (where settings are chosen) and the second half (held out) of n conversations."""
+    h = n // 2
+    return {"all": range(0, n), f"conversations_0_{h - 1}": range(0, h), f"conversations_{h}_{n - 1}": range(h, n)}
+
+
 CATEGORIES = {"1": "multi-hop", "2": "temporal", "3": "open-domain", "4": "single-hop"}
-_PLAIN = {"session_dates": False, "turn_context": False, "time_keyword_boost": 1.0, "expand": "none"}
+_PLAIN = {"session_dates": False, "turn_context": False, "time_keyword_boost": 1.0, "expand": "none", "rerank": "none"}
 RETRIEVERS: dict[str, dict[str, Any]] = {
-    "dense": {"retriever": "dense"},
+    "dense": {"retriever": "dense", "rerank": "none"},
     "keyword": {"retriever": "keyword", **_PLAIN},
     "hybrid": {"retriever": "hybrid", **_PLAIN},
-    "+time": {"retriever": "hybrid", "turn_context": False, "expand": "none"},
-    "+turn context": {"retriever": "hybrid", "expand": "none"},
-    "+expansion": {"retriever": "hybrid", "expand": "session", "expand_top": 1, "expand_per_hit": 2},  # the best expansion on 0-3
+    "+time": {"retriever": "hybrid", "turn_context": False, "expand": "none", "rerank": "none"},
+    "+turn context": {"retriever": "hybrid", "expand": "none", "rerank": "none"},
+    "+expansion": {"retriever": "hybrid", "expand": "session", "expand_top": 1, "expand_per_hit": 2, "rerank": "none"},  # the best expansion on 0-3
+    "+turn-diverse rerank": {"retriever": "hybrid", "expand": "none", "rerank": "turn_diverse"},
+    "dense +turn-diverse rerank": {"retriever": "dense", "rerank": "turn_diverse"},
     "shipped default": {},
 }
 
@@ -107,18 +123,21 @@ def evaluate_retrievers(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.nda
         for ci in range(len(convs)):
             per_conv[ci] = [next(flat) for _ in convs[ci]["questions"]]
         out[name] = {"settings": settings.model_dump()}
-        for subset, idx in SUBSETS.items():
-            sel = [r for ci in idx if ci < len(convs) for r in per_conv[ci]]
+        for subset, idx in halves(len(convs)).items():
+            sel = [r for ci in idx for r in per_conv[ci]]
             if sel:
                 out[name][subset] = summarise(sel)
     return out
 
 
-def oracle_bounds(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray, pools: Sequence[int] = (10, 20, 50, 100)) -> dict[str, Any]:
-    """Not a retriever (it reads the answers): recall@10 if the shipped retriever's top-`pool` facts
-    were perfectly re-ordered (those citing an evidence turn first). What any re-ranking of that
-    candidate list could reach at k = 10; pool 10 = the shipped retriever itself."""
-    retriever = build(convs, fact_vecs, RetrievalSettings(candidates=max(pools)))
+def oracle_bounds(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray, pools: Sequence[int] = (10, 20, 50)) -> dict[str, Any]:
+    """Not a retriever (it reads the answers): recall@10 if the top-`pool` facts of the shipped
+    first stage (RetrievalSettings() as the service runs it, 50 candidates per list, no second
+    stage) were perfectly re-ordered (those citing an evidence turn first). What any second stage
+    over that candidate list could reach at k = 10; pool 10 = the first stage's own top 10."""
+    settings = RetrievalSettings(rerank="none")
+    assert max(pools) <= settings.candidates, "a pool deeper than the service's candidate list"
+    retriever = build(convs, fact_vecs, settings)
     offsets = np.cumsum([0] + [len(c["questions"]) for c in convs])
     rows: dict[int, list[tuple[int, list[float]]]] = {p: [] for p in pools}
     for ci, conv in enumerate(convs):
@@ -138,25 +157,29 @@ def oracle_bounds(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray, 
 
 
 def tune(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray) -> list[dict[str, Any]]:
-    """The grid the shipped settings were chosen from: recall@10 on conversations 0-3 only."""
+    """The grid the shipped settings were chosen from: recall@10 on the first half of the conversations only."""
     grid: list[dict[str, Any]] = []
     for rrf_k, weight in itertools.product((5, 10, 20, 60), (0.5, 0.75, 1.0, 1.5)):
         grid.append({"rrf_k": rrf_k, "keyword_weight": weight, "expand": "none", "time_keyword_boost": 1.0})
     for boost in (1.5, 2.0, 3.0):
         grid.append({"time_keyword_boost": boost, "expand": "none"})
     for mode, top, per in itertools.product(("turn", "session"), (1, 2, 3), (1, 2)):
-        grid.append({"expand": mode, "expand_top": top, "expand_per_hit": per})
+        grid.append({"expand": mode, "expand_top": top, "expand_per_hit": per, "rerank": "none"})
+    for rerank in ("none", "turn_diverse"):
+        grid.append({"rerank": rerank})
     out = []
-    for fields in tqdm(grid, desc="tuning on conversations 0-3", unit="setting"):
-        summary = summarise(recall_rows(convs, q_vecs, build(convs, fact_vecs, RetrievalSettings(**fields)), range(4)))
+    first_half = range(len(convs) // 2)
+    for fields in tqdm(grid, desc="tuning on the first half", unit="setting"):
+        summary = summarise(recall_rows(convs, q_vecs, build(convs, fact_vecs, RetrievalSettings(**fields)), first_half))
         out.append({"settings": fields, "recall@10": summary["recall@10"], "multi_hop_recall@10": summary["by_category"]["1"]["recall@10"]})
     return out
 
 
 def search_latency(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray, queries: int, warmup: int) -> dict[str, Any]:
     """CPU cost at k = 50 (torch on one thread) for a 300- and a 2,000-fact user: the dense search
-    alone, the keyword search alone, the whole hybrid search (dense + keyword + fusion), and the
-    keyword index's rebuild after a write."""
+    alone, the keyword search alone, the first stage (dense + keyword + fusion), the shipped search
+    (first and second stage), the second stage alone (turn_diverse over a first-stage top 50), and
+    the keyword index's rebuild after a write."""
     facts = [f for c in convs for f in c["facts"]]
     texts = [q["text"] for c in convs for q in c["questions"]]
     threads0 = torch.get_num_threads()
@@ -170,18 +193,24 @@ def search_latency(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray,
                     turns.setdefault(turn_id, text)
             user = [{"id": "latency-user", "facts": facts[:n], "turns": turns, "questions": []}]
             retriever = build(user, fact_vecs[:n], RetrievalSettings())
+            first_stage = build(user, fact_vecs[:n], RetrievalSettings(rerank="none"))
             keyword: KeywordIndex = retriever.keyword
             qs = [(texts[i % len(texts)], q_vecs[i % len(texts)]) for i in range(queries)]
+            top50 = {t: [h.fact_id for h in first_stage.search("latency-user", t, v, 50)] for t, v in qs[:warmup]}
+            source = {f["id"]: f["source_id"] for f in facts[:n]}
             timed: dict[str, list[float]] = defaultdict(list)
             calls = {
                 "dense_search": lambda t, v: retriever.index.search("latency-user", v, 50),
                 "keyword_search": lambda t, v: keyword.search("latency-user", t, 50),
-                "hybrid_search": lambda t, v: retriever.search("latency-user", t, v, 50),
+                "first_stage_search": lambda t, v: first_stage.search("latency-user", t, v, 50),
+                "hybrid_search": lambda t, v: retriever.search("latency-user", t, v, 50),  # the shipped search, second stage included
+                "second_stage_alone": lambda t, v: turn_diverse(top50[t], source.get),  # on a top 50 computed beforehand
             }
+            qs_of = {"second_stage_alone": [(t, v) for t, v in qs[:warmup]] * (queries // max(1, warmup))}
             for name, call in calls.items():
                 for t, v in qs[:warmup]:
                     call(t, v)
-                for t, v in qs:
+                for t, v in qs_of.get(name, qs):
                     start = time.perf_counter()
                     call(t, v)
                     timed[name].append(time.perf_counter() - start)
@@ -194,6 +223,7 @@ def search_latency(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray,
                 rebuild.append(time.perf_counter() - start)
             row = {name: _ms(ts) for name, ts in timed.items()}
             row["hybrid_minus_dense_p50_ms"] = round(row["hybrid_search"]["p50_ms"] - row["dense_search"]["p50_ms"], 4)
+            row["second_stage_p50_ms"] = round(row["hybrid_search"]["p50_ms"] - row["first_stage_search"]["p50_ms"], 4)
             row["keyword_rebuild"] = _ms(rebuild)
             out[f"user_{n}_facts"] = row
     finally:
@@ -207,7 +237,7 @@ def _ms(ts: list[float]) -> dict[str, float]:
 
 
 def print_tables(results: dict[str, Any]) -> None:
-    for subset in SUBSETS:
+    for subset in [name for name in next(iter(results.values())) if name != "settings"]:
         print(f"\nevidence recall, {subset.replace('_', ' ')}")
         print("| retriever | " + " | ".join(f"@{k}" for k in KS) + " | " + " | ".join(f"{n} @10" for n in CATEGORIES.values()) + " |")
         print("|---|" + "---|" * (len(KS) + len(CATEGORIES)))

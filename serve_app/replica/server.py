@@ -33,7 +33,7 @@ from serve_app.ingress.errors import RefusalsAreNotFailures
 from serve_app.replica.chat_responses import Choices, ChunkStream, completion_response
 from serve_app.replica.encode_driver import EncodeDriver
 from serve_app.replica.engine import resolve_dtype
-from serve_app.replica.extraction import extract_facts
+from serve_app.replica.extraction import extract_grounded
 from serve_app.replica.lifecycle import engine_dead, start_backends
 from serve_app.replica.limits import TokenLimits
 from serve_app.replica.metrics import ReplicaMetrics
@@ -246,11 +246,11 @@ class MemoryLLM(TextCompletions):
                 for i, m in enumerate(request.messages)
             ]
         facts: list[NewFact] = []
+        extraction = None  # what the grounding check kept, dropped and stored as given (memory.grounding)
         if request.messages and request.infer:
             user_turns = [t for t in turns if t.speaker == "user"]
-            facts += await extract_facts(
-                self.engine, self.layout, user_turns, self.settings.memory.max_facts_per_turn, self._user_salt(user)
-            )
+            facts, extraction = await extract_grounded(self.engine, self.layout, user_turns,
+                                                       self.settings.memory.max_facts_per_turn, self._user_salt(user), fits=self.limits.fact_fits)
         elif request.messages:
             facts += [NewFact(text=t.text, source_id=t.turn_id) for t in turns if t.speaker == "user"]
         # an extracted fact too long for an arena entry is dropped, not stored; the add's metadata goes with each fact
@@ -270,7 +270,7 @@ class MemoryLLM(TextCompletions):
         else:
             results = await self.shard.add_facts(user, facts + given)
         await self._acknowledge([r["id"] for r in results if r["event"] != "DELETE"], request.wait_for_kv)
-        return {"results": results}
+        return {"results": results, **({"extraction": extraction.model_dump()} if extraction is not None else {})}
 
     async def _acknowledge(self, fact_ids: list[str], wait_for_kv: bool) -> None:
         """The facts are durable in Redis (appendfsync always): answer now and let the background
