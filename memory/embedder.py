@@ -72,6 +72,15 @@ class Embedder:
         computed = self.embed([text])[0]
         return lambda: computed
 
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens the model reads of one text (encode() cuts a longer one there)."""
+        return int(self._model.max_seq_length)
+
+    def token_counts(self, texts: Sequence[str]) -> list[int]:
+        """Each text's tokens as the model's tokenizer counts them (special tokens included), uncut."""
+        return [len(ids) for ids in self._model.tokenizer(list(texts), add_special_tokens=True, truncation=False)["input_ids"]]
+
     def query_ids(self, text: str) -> list[int]:
         """The query's token ids as encode() tokenizes it (special tokens, truncated to the model's
         max_seq_length). With a fast tokenizer, a copy of its Rust backend set to that truncation

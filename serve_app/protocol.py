@@ -5,7 +5,8 @@ Everything a client sends is bounded here, in characters and counts (the ingress
 tokenize: it imports neither torch nor transformers). Token bounds (a fact must fit one arena
 entry, a prompt plus its output the context) are checked by the replica, which answers 400
 before anything is stored or generated. Fields of OpenAI's API that this service does not
-implement are refused by name (400, `extra="forbid"`), never silently ignored.
+implement are refused by name (400, `extra="forbid"`), never silently ignored; the few that clients
+always send and that change nothing here are accepted and ignored (serve_app.client_fields).
 Types are strict, as the JSON schema says (`"max_tokens": "5"` or `"stream": 1` is refused,
 not coerced).
 """
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from memory.chat_query import ChatQuery, MemoryMode
 from memory.prompting import MEMORY_MARKER
+from serve_app.client_fields import IgnoredClientFields
 
 # Bounds on what a client sends (characters and counts; the replica bounds tokens).
 MAX_CHAT_MESSAGES = 256
@@ -178,8 +180,9 @@ class StreamOptions(BaseModel):
     )
 
 
-class ChatCompletionRequest(BaseModel):
-    """The part of OpenAI's chat-completions request this service implements; anything else is refused."""
+class ChatCompletionRequest(IgnoredClientFields):
+    """The part of OpenAI's chat-completions request this service implements, plus the fields clients
+    always send that change nothing here (serve_app.client_fields); anything else is refused."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -206,7 +209,11 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="Most likely alternatives per token (needs logprobs=true)."
     )
-    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description=f"Choices per request (at most {MAX_CHOICES}); each is sampled on its own.")
+    n: int | None = Field(
+        None, ge=1, le=MAX_CHOICES,
+        description=f"Choices per request (at most {MAX_CHOICES}), each sampled on its own at the request's temperature; at "
+        "temperature 0 (the default here) the choices are the one greedy answer, generated once.",
+    )
     response_format: ResponseFormat | None = Field(
         None, description="json_object: the answer is a JSON object; json_schema: it follows the schema (vLLM's structured outputs)."
     )

@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from gpuplan.settings import GpuPlanSettings
 from memory.settings import MemorySettings
 from serve_app.engine_settings import ENGINE_KWARGS_SET_BY_THE_REPLICA, EngineSettings  # noqa: F401 - the settings' engine block
+from serve_app.api_settings import EmbeddingsSettings, ResponsesSettings, embedding_model_name
 from serve_app.client_limits import AdmissionSettings
 from serve_app.memory_protocol import MAX_FACT_CHARS, MAX_FACTS_PER_ADD, MAX_TURN_CHARS, MAX_TURNS_PER_ADD
 
@@ -201,6 +202,17 @@ class ServiceSettings(BaseSettings):
     add_limits: AddLimits = Field(
         default_factory=AddLimits, description="What one memory add may carry (413 past it); per-user quotas are memory.quota."
     )
+    embeddings: EmbeddingsSettings = Field(
+        default_factory=EmbeddingsSettings, description="POST /v1/embeddings: the memory's query embedder, run in the LLM replicas."
+    )
+    responses: ResponsesSettings = Field(
+        default_factory=ResponsesSettings, description="The Responses API's stored responses (previous_response_id): how long, how many per key."
+    )
+
+    @property
+    def embedding_model_name(self) -> str:
+        """The embedding model's name in the API (serve_app.api_settings.embedding_model_name)."""
+        return embedding_model_name(self.embeddings, self.memory.embedding_model)
     replica_call_timeout_s: float = Field(
         300.0, gt=0, description="Most seconds the ingress waits for a replica's answer (or its next streamed chunk)."
     )

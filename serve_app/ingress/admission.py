@@ -43,7 +43,7 @@ from serve_app.client_limits import AdmissionSettings, RateLimit
 from serve_app.settings import ServiceSettings
 
 RequestClass = Literal["chats", "writes", "reads"]
-CHAT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+CHAT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})  # they count as chats
 ADD_PATHS = frozenset({"/v1/memories", "/v3/memories/add"})
 RUNNING_KIND = {"chats": "engine", "writes": "writes"}  # the in-flight cap each class counts against
 _IDLE_S = 120.0  # buckets untouched this long are full again: forgotten when the tables grow
@@ -51,7 +51,8 @@ _MAX_ENTRIES = 100_000
 
 
 def request_class(verb: str, path: str) -> RequestClass:
-    """chats (they run on the engine), writes (memory adds, updates, deletes) or reads (the rest)."""
+    """chats (they run on the engine: chats, text completions, responses; and embeddings, which run in the
+    LLM replica), writes (memory adds, updates, deletes) or reads (the rest)."""
     route = path.rstrip("/") or "/"
     if verb == "POST" and route in CHAT_PATHS:
         return "chats"

@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from memory.fairness import EncodeBacklogFull
 from memory.records import QuotaExceeded, StoreFull, StoreUnavailable
 from serve_app.completion_protocol import CompletionResponse
+from serve_app.embeddings_protocol import EmbedderBusy
 from serve_app.protocol import ChatCompletionChunk, ChatCompletionResponse, EngineUnavailable, ErrorResponse, NotFound, RequestRejected
 
 logger = logging.getLogger(__name__)
@@ -233,6 +234,8 @@ def http_error(exc: BaseException) -> HTTPException | None:
     if isinstance(cause, EncodeBacklogFull):  # the user's facts waiting for KV are at the bound: nothing stored
         return HTTPException(429, message, {"Retry-After": str(cause.retry_after_s)})
     if isinstance(cause, StoreUnavailable):  # Redis away: nothing was acknowledged, try again
+        return HTTPException(503, message, {"Retry-After": "5"})
+    if isinstance(cause, EmbedderBusy):  # the replica's embedder is busy with other requests (or still loading)
         return HTTPException(503, message, {"Retry-After": "5"})
     if isinstance(cause, TimeoutError):  # the memory shard did not answer in time (busy, or restarting)
         return HTTPException(503, f"the memory shard is busy or restarting, try again shortly ({message})", {"Retry-After": "5"})

@@ -1,6 +1,8 @@
 """ChatAPI: the router deployment (`routing: router`, the default), in front of one LLMReplica
 deployment per shard. It serves every HTTP route (serve_app.ingress.routes and the Mem0 platform's,
-serve_app.ingress.mem0_routes, text completions: serve_app.ingress.completion_routes) and sends each user to the replica holding that user's memory."""
+serve_app.ingress.mem0_routes and .mem0_unimplemented, text completions: .completion_routes, models
+and embeddings: .openai_routes, the Responses API: .responses_routes) and sends each user to the
+replica holding that user's memory."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.ingress.admin_routes import AdminRoutes
 from serve_app.ingress.completion_routes import CompletionRoutes
+from serve_app.ingress import mem0_unimplemented  # noqa: F401 - registers the Mem0 routes answered 501
 from serve_app.ingress.mem0_routes import Mem0Routes
+from serve_app.ingress.openai_routes import OpenAIRoutes
+from serve_app.ingress.responses_routes import ResponsesRoutes
 from serve_app.ingress.routes import api
 from serve_app.ingress.shard_availability import ShardAvailability
 from serve_app.settings import ServiceSettings
@@ -19,7 +24,7 @@ from serve_app.shard_routing import shard_hint
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress(api)
-class ChatAPI(Mem0Routes, CompletionRoutes, AdminRoutes):
+class ChatAPI(Mem0Routes, CompletionRoutes, OpenAIRoutes, ResponsesRoutes, AdminRoutes):
     """user -> shard (assigned once, kept in Redis, cached here) -> the handle of that shard's
     LLMReplica deployment; a shard whose replica Serve is replacing answers 503 at once
     (serve_app.ingress.shard_availability) instead of queueing the request until it is back."""

@@ -5,19 +5,23 @@ in its own Serve replicas in front of one LLMReplica deployment per shard, and s
 the replica holding that user's memory; it imports neither torch nor vLLM (tests/test_layout.py
 checks), so it starts in a second and stays light. With `routing: direct` the same routes run
 inside each LLM replica (serve_app.replica.direct_ingress), one Serve hop fewer. Subclasses add the
-Mem0 platform's routes (.mem0_routes) and text completions (.completion_routes).
+Mem0 platform's routes (.mem0_routes, and its methods not implemented yet: .mem0_unimplemented), text
+completions (.completion_routes), models and embeddings (.openai_routes) and the Responses API
+(.responses_routes).
 
 Routes (OpenAI chat completions, memory operations in Mem0's shapes: serve_app.memory_protocol;
 a memory route answers with or without a trailing slash, as Mem0's clients call it):
     POST   /v1/chat/completions          chat; `user` selects the memory, `memory` the mode
     POST   /v1/completions               text completion, no memory (serve_app.ingress.completion_routes)
+    POST   /v1/responses                 the Responses API: a chat in its dialect (serve_app.ingress.responses_routes)
+    POST   /v1/embeddings, GET /v1/models[/{id}]   (serve_app.ingress.openai_routes)
     POST   /v1/memories                  add (messages -> extracted facts, or facts given)
     GET    /v1/memories?user_id=         get_all
     POST   /v1/memories/search           search
     GET    /v1/memories/{id}             get
     PUT    /v1/memories/{id}             update (text re-encodes the fact's KV; metadata)
     DELETE /v1/memories/{id}             delete
-    DELETE /v1/memories?user_id=         delete_all
+    DELETE /v1/memories?user_id=         delete_all (and the user's stored responses)
     GET    /v1/memories/{id}/history     history (a list of events, oldest first)
     GET    /v1/shards                    per-shard statistics (bytes per tier, facts, queue); admin
     POST   /v1/admin/keys                create an API key (admin); GET lists, DELETE /{key_id} revokes
@@ -45,6 +49,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from memory.directory import UserDirectory
+from memory.response_store import ResponseStore
 from memory.records import StoreUnavailable, is_fact_id
 from serve_app.ingress.admission import Admission, RequestClass, Refused
 from serve_app.ingress.auth import Authenticator, KeyStore, Principal, caller
@@ -99,6 +104,8 @@ class ChatRoutes:
         self.directory = UserDirectory.from_url(settings.redis_url, prefix, password=password)
         self.keys = KeyStore.from_url(settings.redis_url, prefix, settings.auth.cache_ttl_s, password=password)
         self.auth = Authenticator(settings.auth, self.keys)
+        kept = settings.responses  # the Responses API's stored responses (serve_app.ingress.responses_routes)
+        self.responses = ResponseStore.from_url(settings.redis_url, prefix, kept.store_ttl_s, kept.max_stored_per_key, password=password)
         self.max_body_bytes, self.body_timeout_s = settings.max_body_bytes, settings.body_timeout_s  # the RequestGate's bounds
         self.max_json_depth = settings.max_json_depth
         self.admission = Admission.of(settings)
@@ -189,6 +196,17 @@ class ChatRoutes:
         """The ingress's stages (auth, route, replica_first_event; serve_app.stage_timings) come
         back in a Server-Timing header and go to kvmem_stage_seconds; the replica's in `timings`.
         `auth` is the RequestGate's key check, before the body was read."""
+        answer, headers = await self._routed_chat(request, http, principal)
+        if not request.stream:
+            response.headers.update(headers)
+            return answer
+        return self._relayed(*answer, headers)
+
+    async def _routed_chat(self, request: ChatCompletionRequest, http: Request, principal: Principal) -> tuple[Any, dict[str, str]]:
+        """A chat, authorized and run on its user's replica (or the home replica): its answer (a
+        ChatCompletionResponse, or with stream=true the first event and the rest) and the headers
+        that say where it ran and its stages (Server-Timing, X-KVMem-Route). Chats and the Responses
+        API (serve_app.ingress.responses_routes) both come this way."""
         clock = StageClock()
         clock.add({"auth": getattr(http.state, "auth_ms", 0.0)})
         routed = clock.started
@@ -203,7 +221,7 @@ class ChatRoutes:
                     if request.memory.mode != "none":
                         raise  # a request that needs no memory is answered even while Redis is down
         # which ingress took the request and which shard answered it (routing is observable)
-        response.headers["X-KVMem-Route"] = route = f"{self.ingress_name} -> {'home' if shard is None else f'shard-{shard}'}"
+        route = f"{self.ingress_name} -> {'home' if shard is None else f'shard-{shard}'}"
         scope = None if self.settings.auth.mode == "off" else principal.cache_scope  # salts a user-less request
         called = clock.record("route", routed)
 
@@ -215,31 +233,28 @@ class ChatRoutes:
             return await self._answer(events.__anext__(), shard), events  # a refusal comes as a status, not a stream
 
         answer = await with_failover(ask, self.settings.llm_replicas_per_shard > 1)
-        if not request.stream:
-            clock.record("replica_answer", called)
-            response.headers["Server-Timing"] = self._timed(clock)
-            return answer
-        clock.record("replica_first_event", called)
-        return self._relayed(*answer, {"Server-Timing": self._timed(clock), "X-KVMem-Route": route})
+        clock.record("replica_first_event" if request.stream else "replica_answer", called)
+        return answer, {"Server-Timing": self._timed(clock), "X-KVMem-Route": route}
 
     def _relayed(self, first: str, events: Any, headers: dict[str, str]) -> StreamingResponse:
-        """A replica's server-sent events after `first`, each awaited at most replica_call_timeout_s."""
+        """A replica's server-sent events after `first` as the answer (_relay)."""
+        return StreamingResponse(self._relay(first, events), media_type="text/event-stream", headers=headers)
+
+    async def _relay(self, first: str, events: Any) -> AsyncIterator[str]:
+        """A replica's server-sent events after `first`, each awaited at most replica_call_timeout_s
+        (a stalled stream is closed)."""
         timeout = self.settings.replica_call_timeout_s
-
-        async def relay() -> AsyncIterator[str]:
-            yield first
-            while True:
-                try:
-                    event = await asyncio.wait_for(events.__anext__(), timeout)
-                except StopAsyncIteration:
-                    return
-                except asyncio.TimeoutError:
-                    logger.warning("stream stalled for %.0f s; closing it", timeout)
-                    events.cancel()
-                    return
-                yield event
-
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+        yield first
+        while True:
+            try:
+                event = await asyncio.wait_for(events.__anext__(), timeout)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                logger.warning("stream stalled for %.0f s; closing it", timeout)
+                events.cancel()
+                return
+            yield event
 
     def _timed(self, clock: StageClock) -> str:
         """Records the ingress's stages (metrics) and gives them as a Server-Timing value."""
@@ -309,6 +324,10 @@ class ChatRoutes:
         await self._authorize(principal, user_id, "writes")
         deleted = await self._answer((await self._replica_of_user(user_id)).delete_all.remote(user_id))
         self.directory.forget_user(user_id)  # its placement is erased with its memory
+        try:
+            await self.responses.forget_user(user_id)  # and the responses stored for it (memory.response_store)
+        except StoreUnavailable as exc:
+            raise store_unavailable(exc) from exc
         return {"message": f"{deleted} memories of {user_id} deleted", "deleted": deleted}
 
     @memory_route("GET", "/v1/memories/{fact_id}/history")
@@ -319,10 +338,6 @@ class ChatRoutes:
         return [MemoryHistoryItem.of(e) for e in await self._answer(replica.history.remote(fact_id, owner))]
 
     # ------------------------------------------------------------------ misc
-    @api.get("/v1/models")
-    async def models(self, principal: Principal = Depends(caller)) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.settings.served_model_name, "object": "model"}]}
-
     @api.get("/health")
     async def service_health(self) -> Any:
         """Redis, and each replica's engine and memory shard; 503 naming whatever is not ok. Answers

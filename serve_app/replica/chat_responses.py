@@ -4,6 +4,7 @@ and the request's stage timings (serve_app.stage_timings). No engine calls here.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -53,19 +54,32 @@ def logprobs_of(request: ChatCompletionRequest, completion: Any, start: int, tok
 
 class Choices:
     """The latest cumulative output of each choice. With n > 1 vLLM yields each choice's output on
-    its own (a RequestOutput holds the one that advanced), so they are gathered by index."""
+    its own (a RequestOutput holds the one that advanced), so they are gathered by index. With
+    `copies` > 1 (n greedy choices: serve_app.replica.sampling.choice_copies) the engine ran one
+    choice, and it is given as choices 0..copies-1."""
 
-    def __init__(self) -> None:
+    def __init__(self, copies: int = 1) -> None:
         self.latest: dict[int, Any] = {}
+        self.copies = copies
 
     def update(self, output: Any) -> None:
         for completion in output.outputs:
             self.latest[completion.index] = completion
 
+    def indices(self, completion: Any) -> range:
+        """The answer's choice indices that this engine completion stands for."""
+        return range(self.copies) if self.copies > 1 else range(completion.index, completion.index + 1)
+
     def ordered(self) -> list[Any]:
-        return [self.latest[index] for index in sorted(self.latest)]
+        ran = [self.latest[index] for index in sorted(self.latest)]
+        return [dataclasses.replace(c, index=i) for c in ran for i in self.indices(c)] if self.copies > 1 else ran
 
     def generated_tokens(self) -> int:
+        """Tokens of every choice of the answer (OpenAI's usage counts each choice, copies too)."""
+        return self.engine_tokens() * self.copies
+
+    def engine_tokens(self) -> int:
+        """Tokens the engine generated."""
         return sum(len(c.token_ids) for c in self.latest.values())
 
 
@@ -97,7 +111,7 @@ class ChunkStream:
     carries usage, the memory report and the timings, or, with stream_options.include_usage, one
     more chunk with empty `choices` does (as OpenAI sends it); then `data: [DONE]`."""
 
-    def __init__(self, request: ChatCompletionRequest, model: str, tokenizer: Any) -> None:
+    def __init__(self, request: ChatCompletionRequest, model: str, tokenizer: Any, copies: int = 1) -> None:
         self.request = request
         self.model = model
         self.tokenizer = tokenizer
@@ -105,7 +119,7 @@ class ChunkStream:
         self.include_usage = bool(request.stream_options and request.stream_options.include_usage)
         self.sent_text: dict[int, int] = {}  # per choice: characters and tokens sent so far
         self.sent_tokens: dict[int, int] = {}
-        self.choices = Choices()
+        self.choices = Choices(copies)
         self.tail: ChatCompletionChunk | None = None
 
     def event(self, output: Any, prompt_ids: list[int], plan: Any, timings: dict[str, float]) -> str | None:
@@ -118,12 +132,16 @@ class ChunkStream:
             delta = completion.text[self.sent_text.get(index, 0) :]
             if not delta and completion.finish_reason is None and not first:
                 continue
-            chunk_choices.append(ChunkChoice(
-                index=index,
-                delta=ChunkDelta(role="assistant" if first else None, content=delta or None),
-                logprobs=logprobs_of(self.request, completion, self.sent_tokens.get(index, 0), self.tokenizer),
-                finish_reason=completion.finish_reason,
-            ))
+            logprobs = logprobs_of(self.request, completion, self.sent_tokens.get(index, 0), self.tokenizer)
+            chunk_choices += [
+                ChunkChoice(
+                    index=choice,
+                    delta=ChunkDelta(role="assistant" if first else None, content=delta or None),
+                    logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                )
+                for choice in self.choices.indices(completion)
+            ]
             self.sent_text[index], self.sent_tokens[index] = len(completion.text), len(completion.token_ids)
         if not chunk_choices and not output.finished:
             return None

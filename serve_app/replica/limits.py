@@ -107,16 +107,25 @@ class TokenLimits:
             )
         return asked if asked is not None else self.default_output
 
-    def output_tokens(self, prompt_tokens: int, asked: int | None, planned: int, param: str) -> int:
+    def output_tokens(self, prompt_tokens: int, asked: int | None, planned: int, param: str, prompt_param: str = "messages") -> int:
         """max_tokens for the engine: the ask if prompt + ask fit the context, else a 400; without an
-        ask, the planned default lowered to the room left (a 400 when no room is left)."""
+        ask, the planned default lowered to the room left. The 400's `param` is the field at fault:
+        `prompt_param` (messages, prompt, input) when the prompt alone leaves no room for one token,
+        else the ask (`param`), which a smaller value would make fit."""
         room = self.context - prompt_tokens
+        if room < 1:
+            raise RequestRejected(
+                f"the prompt of {prompt_tokens} tokens alone leaves no room for an answer in the context length of "
+                f"{self.context} tokens; shorten {prompt_param}",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         wanted = planned if asked is not None else min(planned, room)
-        if wanted < 1 or prompt_tokens + wanted > self.context:
+        if prompt_tokens + wanted > self.context:
             raise RequestRejected(
                 f"prompt of {prompt_tokens} tokens plus {param}={wanted} exceeds the context length of "
-                f"{self.context} tokens",
-                param="messages" if asked is None else param,
+                f"{self.context} tokens; at most {room} tokens fit beside this prompt",
+                param=param,
                 code="context_length_exceeded",
             )
         return wanted

@@ -5,7 +5,8 @@ vLLM's ChatCompletionRequest already validates OpenAI's sampling fields and turn
 SamplingParams (Ray Serve LLM reuses it too), so the replica hands it the fields this service
 implements (serve_app.protocol bounds them first) instead of re-implementing their semantics:
 stop, seed, temperature, top_p, penalties, logprobs / top_logprobs, n, and response_format (a JSON
-object or schema, as vLLM's structured outputs). The use is kept small because
+object or schema, as vLLM's structured outputs). The temperature is the request's, else the service's
+greedy default, whatever n is; n greedy choices are one generation given n times (`choice_copies`). The use is kept small because
 the GPU machines run another vLLM (0.25.1) than the CPU ones (0.32): the class is looked up in
 either module layout, and `to_sampling_params` is called with the arguments its signature names.
 """
@@ -27,8 +28,17 @@ _SAMPLING_FIELDS = {
     "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
     "logprobs", "top_logprobs", "stream", "stream_options", "n", "response_format",
 }
-SERVICE_TEMPERATURE = 0.0  # the service's default is greedy (OpenAI's is 1)
-OPENAI_TEMPERATURE = 1.0  # the default when n > 1 asks for several samples: vLLM refuses n > 1 with greedy sampling
+SERVICE_TEMPERATURE = 0.0  # the service's default is greedy (OpenAI's is 1), whatever n is
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+
+
+def choice_copies(temperature: float | None, n: int | None) -> int:
+    """How many copies of one generation answer a request: n when it samples greedily (its temperature,
+    or the service's default 0, below GREEDY_BELOW), else 1. The n greedy answers are one answer (OpenAI
+    gives n identical choices at temperature 0), and vLLM refuses n > 1 with greedy sampling, so the
+    engine runs it once with n = 1 and the answer is given n times (serve_app.replica.chat_responses.Choices)."""
+    greedy = (SERVICE_TEMPERATURE if temperature is None else temperature) < GREEDY_BELOW
+    return (n or 1) if greedy else 1
 
 
 def vllm_client_errors() -> tuple[type[BaseException], ...]:
@@ -109,7 +119,9 @@ def completion_sampling_params(request: CompletionRequest, max_tokens: int) -> A
 def _through_vllm(vllm_request: type, body: dict[str, Any], max_tokens: int, extra_args: dict[str, Any] | None) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
-    body.setdefault("temperature", OPENAI_TEMPERATURE if body.get("n", 1) > 1 else SERVICE_TEMPERATURE)
+    body.setdefault("temperature", SERVICE_TEMPERATURE)
+    if choice_copies(body["temperature"], body.get("n")) > 1:
+        body["n"] = 1  # one greedy generation, given n times (choice_copies)
     try:
         parsed = vllm_request.model_validate(body)
     except ValidationError as exc:

@@ -8,7 +8,8 @@ over the shard's arena, and runs an EncodeDriver in the background (it picks up 
 shard rebuild). A chat with a `user` asks the shard for a plan (top-k facts, token ids,
 kv_transfer_params) and runs it; a too-long prompt gets a 400 before the engine sees it. Metrics:
 ray.serve.metrics. A dead engine core is restarted in place (serve_app.replica.lifecycle);
-check_health fails only when that does not work; health() reports engine and shard (text completions: .text_completions)."""
+check_health fails only when that does not work; health() reports engine and shard (text completions:
+.text_completions; embeddings: .query_embeddings)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ from serve_app.replica.lifecycle import engine_dead, start_backends
 from serve_app.replica.limits import TokenLimits
 from serve_app.replica.metrics import ReplicaMetrics
 from serve_app.replica.reconciliation import reconcile_and_add
-from serve_app.replica.sampling import engine_errors_as_ours, sampling_params
+from serve_app.replica.sampling import choice_copies, engine_errors_as_ours, sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
+from serve_app.replica.query_embeddings import QueryEmbeddings
 from serve_app.replica.text_completions import TextCompletions
 from serve_app.replica.shard_watchdog import ShardWatchdog
 from serve_app.replica.startup import ReplicaStart
@@ -66,7 +68,7 @@ def _not_found() -> Iterator[None]:
         raise NotFound(str(exc.args[0] if exc.args else exc)) from None
 
 
-class MemoryLLM(TextCompletions):
+class MemoryLLM(TextCompletions, QueryEmbeddings):
     """One vLLM engine with its memory shard: the replica's work, whichever deployment runs it
     (LLMReplica below, behind the ChatAPI router; or serve_app.replica.direct_ingress.ReplicaIngress)."""
 
@@ -97,6 +99,7 @@ class MemoryLLM(TextCompletions):
         self.stage_seconds = self.metrics.stage_seconds  # shared with the routes' stages (routing: direct)
         self.chats_running = ChatsRunning()  # the chats being served, which the encoder yields to
         self.driver = EncodeDriver.for_memory(self.shard, self.engine, settings.memory, self.metrics.encoded, self.chats_running)
+        self._start_embedder()  # POST /v1/embeddings' copy of the query embedder, loaded on its own thread
 
     @staticmethod
     def _plan_channel(settings: ServiceSettings, shard_id: int) -> Any:
@@ -198,20 +201,20 @@ class MemoryLLM(TextCompletions):
                 yield output, prompt_ids, plan, timings if timings is not None else clock.rounded()
         assert final is not None, "engine returned no output"
         self.metrics.requests.inc(tags={"outcome": "ok"})
-        _count(self.metrics.generated_tokens, generated.generated_tokens())
+        _count(self.metrics.generated_tokens, generated.engine_tokens())
         if plan is not None:
             _count(self.metrics.injected_tokens, plan.injected_tokens)
 
     async def chat(self, request: ChatCompletionRequest, cache_scope: str | None = None) -> ChatCompletionResponse:
         final = prompt_ids = plan = timings = None
-        choices = Choices()
+        choices = Choices(choice_copies(request.temperature, request.n))
         async for final, prompt_ids, plan, timings in self._run(request, cache_scope):
             choices.update(final)
         return completion_response(request, self.settings.served_model_name, choices, final, prompt_ids, plan, timings, self.tokenizer)
 
     async def chat_stream(self, request: ChatCompletionRequest, cache_scope: str | None = None) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chat.completion.chunk format (serve_app.replica.chat_responses.ChunkStream)."""
-        stream = ChunkStream(request, self.settings.served_model_name, self.tokenizer)
+        stream = ChunkStream(request, self.settings.served_model_name, self.tokenizer, choice_copies(request.temperature, request.n))
         async for output, prompt_ids, plan, timings in self._run(request, cache_scope):
             event = stream.event(output, prompt_ids, plan, timings)
             if event is not None:

@@ -1,7 +1,7 @@
 """TextCompletions: OpenAI's text completions (POST /v1/completions) on the LLM replica's engine.
 
-The prompt is continued as it is: tokenized with the model's tokenizer, no chat template, no
-memory (memory conditions chats). The same bounds as a chat (serve_app.replica.limits: a 400
+The prompt is continued as it is: tokenized with the model's tokenizer (or given as its token ids,
+each checked against the vocabulary), no chat template, no memory (memory conditions chats). The same bounds as a chat (serve_app.replica.limits: a 400
 before the engine sees anything), the same sampling through vLLM's own protocol model
 (serve_app.replica.sampling), the same priority and prefix-cache scope (a user's, or the API
 key's). A mixin of MemoryLLM (serve_app.replica.server), whose engine, tokenizer and limits it uses.
@@ -15,9 +15,9 @@ from typing import Any, AsyncIterator
 
 from memory.composition import key_salt
 from serve_app.completion_protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from serve_app.protocol import NotFound
+from serve_app.protocol import NotFound, RequestRejected
 from serve_app.replica.chat_responses import Choices, usage_of
-from serve_app.replica.sampling import completion_sampling_params, engine_errors_as_ours
+from serve_app.replica.sampling import choice_copies, completion_sampling_params, engine_errors_as_ours
 from serve_app.replica.scheduling import CHAT_PRIORITY
 from serve_app.stage_timings import count_positive
 
@@ -42,8 +42,10 @@ class TextCompletions:
         if request.model is not None and request.model != name:
             raise NotFound(f"the model {request.model!r} does not exist; this service serves {name!r}", param="model", code="model_not_found")
         planned = self.limits.planned_output(request.max_tokens, "max_tokens")
-        prompt_ids = await asyncio.to_thread(lambda: list(self.tokenizer(request.text).input_ids))
-        max_tokens = self.limits.output_tokens(len(prompt_ids), request.max_tokens, planned, "max_tokens")
+        prompt_ids = self._given_ids(request.token_ids) if request.token_ids is not None else (
+            await asyncio.to_thread(lambda: list(self.tokenizer(request.text).input_ids))
+        )
+        max_tokens = self.limits.output_tokens(len(prompt_ids), request.max_tokens, planned, "max_tokens", "prompt")
         params = completion_sampling_params(request, max_tokens)
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         if request.user:
@@ -56,10 +58,22 @@ class TextCompletions:
                 generated.update(output)
                 yield output, len(prompt_ids)
         self.metrics.requests.inc(tags={"outcome": "ok"})
-        count_positive(self.metrics.generated_tokens, generated.generated_tokens())
+        count_positive(self.metrics.generated_tokens, generated.engine_tokens())
+
+    def _given_ids(self, ids: list[int]) -> list[int]:
+        """A prompt given as token ids, each checked against the tokenizer's vocabulary (400 naming the first that is not)."""
+        vocabulary = len(self.tokenizer)
+        for position, token in enumerate(ids):
+            if token >= vocabulary:
+                raise RequestRejected(
+                    f"prompt.{position}: token id {token} is not in the model's vocabulary ({vocabulary} tokens)",
+                    param=f"prompt.{position}",
+                    code="invalid_token_id",
+                )
+        return list(ids)
 
     async def complete(self, request: CompletionRequest, cache_scope: str | None = None) -> CompletionResponse:
-        choices, final, prompt_tokens = Choices(), None, 0
+        choices, final, prompt_tokens = Choices(choice_copies(request.temperature, request.n)), None, 0
         async for final, prompt_tokens in self._completion_outputs(request, cache_scope):
             choices.update(final)
         return CompletionResponse(
@@ -71,7 +85,7 @@ class TextCompletions:
     async def complete_stream(self, request: CompletionRequest, cache_scope: str | None = None) -> AsyncIterator[str]:
         """Server-sent events: text deltas per choice; the usage in the last event (or, with
         stream_options.include_usage, in one more with empty `choices`); then `data: [DONE]`."""
-        name, sent, choices = self.settings.served_model_name, {}, Choices()
+        name, sent, choices = self.settings.served_model_name, {}, Choices(choice_copies(request.temperature, request.n))
         stream_id = f"cmpl-{uuid.uuid4().hex}"
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         async for output, prompt_tokens in self._completion_outputs(request, cache_scope):
@@ -80,7 +94,7 @@ class TextCompletions:
             for c in output.outputs:
                 delta = c.text[sent.get(c.index, 0):]
                 if delta or c.finish_reason is not None:
-                    deltas.append(CompletionChoice(index=c.index, text=delta, finish_reason=c.finish_reason))
+                    deltas += [CompletionChoice(index=i, text=delta, finish_reason=c.finish_reason) for i in choices.indices(c)]
                 sent[c.index] = len(c.text)
             event = CompletionResponse(id=stream_id, model=name, choices=deltas)
             if output.finished:
