@@ -43,6 +43,7 @@ def test_health_reports_redis(served_app: str) -> None:
         "status": "ok",
         "redis": "ok",
         "replicas": {"0": {"engine": "ok", "shard": "ok"}, "1": {"engine": "ok", "shard": "ok"}},
+        "llm_replicas": {"running": 2, "wanted": 2},  # Serve runs every replica the service asked for
     }
 
 
