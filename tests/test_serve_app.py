@@ -39,11 +39,15 @@ def test_health_reports_redis(served_app: str) -> None:
     assert response.status_code == 200
     health = response.json()
     assert set(health.pop("redis_memory")) == {"used_bytes", "max_bytes", "fraction"}  # under the warning fraction
+    # Serve runs every replica the service asked for (reported once the ingress has polled Serve's controller)
+    assert health.pop("llm_replicas", {"running": 2, "wanted": 2}) == {"running": 2, "wanted": 2}
     assert health == {
         "status": "ok",
         "redis": "ok",
         "replicas": {"0": {"engine": "ok", "shard": "ok"}, "1": {"engine": "ok", "shard": "ok"}},
     }
+    time.sleep(1.5)  # the ingress's poll of the controller has run by now
+    assert requests.get(f"{served_app}/health", timeout=30).json()["llm_replicas"] == {"running": 2, "wanted": 2}
 
 
 def test_bad_requests_get_clear_errors_and_the_engine_survives(served_app: str) -> None:
