@@ -208,11 +208,6 @@ class ServiceSettings(BaseSettings):
     responses: ResponsesSettings = Field(
         default_factory=ResponsesSettings, description="The Responses API's stored responses (previous_response_id): how long, how many per key."
     )
-
-    @property
-    def embedding_model_name(self) -> str:
-        """The embedding model's name in the API (serve_app.api_settings.embedding_model_name)."""
-        return embedding_model_name(self.embeddings, self.memory.embedding_model)
     replica_call_timeout_s: float = Field(
         300.0, gt=0, description="Most seconds the ingress waits for a replica's answer (or its next streamed chunk)."
     )
@@ -311,6 +306,11 @@ class ServiceSettings(BaseSettings):
     def redis_password_value(self) -> str | None:
         """The Redis password in clear, for redis-py (None: Redis asks for none)."""
         return self.redis_password.get_secret_value() if self.redis_password else None
+
+    @property
+    def embedding_model_name(self) -> str:
+        """The embedding model's name in the API (serve_app.api_settings.embedding_model_name)."""
+        return embedding_model_name(self.embeddings, self.memory.embedding_model)
 
     def resolved_model(self) -> str:
         """The model to serve: engine.model, else the embedded default (SmolLM2-135M-Instruct,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from datetime import datetime
+from typing import Any, Callable
 from urllib.parse import urljoin
 
 import pytest
@@ -145,3 +146,143 @@ def test_the_mem0_client_refuses_a_wrong_key_and_the_service_refuses_what_it_doe
     with pytest.raises(ValidationError, match="metadata"):
         bea.add("I like tea.", user_id="bea", infer=False, metadata={"blob": "x" * 5000})
     assert bea.get_all(filters={"user_id": "bea"})["count"] == 0  # the refused adds stored nothing
+
+
+# --------------------------------------------------------------------------- every method of the installed clients
+# What each public method of mem0ai's clients is here. The sets are compared with the installed client's methods
+# (introspection), so a client version with a method not listed here fails the test and shows it.
+IMPLEMENTED = {"add", "get", "get_all", "search", "update", "delete", "delete_all", "history"}
+RAISE_IN_THE_CLIENT = {"chat": NotImplementedError}  # raises without sending a request
+
+
+def _public(cls: type) -> set[str]:
+    import inspect
+
+    return {name for name, _ in inspect.getmembers(cls, callable) if not name.startswith("_")}
+
+
+def _raised(calls: dict[str, Callable[[], Any]]) -> dict[str, BaseException | None]:
+    """What each call raised (None: nothing)."""
+    raised: dict[str, BaseException | None] = {}
+    for name, call in calls.items():
+        try:
+            call()
+            raised[name] = None
+        except Exception as exc:  # noqa: BLE001 - checked by _each_answered_501
+            raised[name] = exc
+    return raised
+
+
+def _each_answered_501(raised: dict[str, BaseException | None]) -> None:
+    """Each call reached this service and got its 501 naming the method: the client raised a plain error
+    (mem0's base MemoryError, or httpx's HTTPStatusError where the client does not translate), never
+    MemoryNotFoundError."""
+    import httpx
+    from mem0.exceptions import MemoryError as Mem0Error
+
+    for name, exc in raised.items():
+        method = name.split(".")[-1]
+        if isinstance(exc, httpx.HTTPStatusError):
+            assert exc.response.status_code == 501, (name, exc.response.text)
+            text = exc.response.json()["detail"]
+        else:
+            assert type(exc) is Mem0Error, (name, type(exc), exc)  # not "not found", not success
+            text = str(exc)
+        assert "not implemented" in text and f".{method}" in text, (name, text)
+
+
+def _unimplemented_calls(client: Any, fact_id: str) -> dict[str, Callable[[], Any]]:
+    """The client's methods this service answers 501, each called with arguments Mem0's docs use."""
+    c, p = client, client.project
+    calls: dict[str, Callable[[], Any]] = {
+        "users": lambda: c.users(),
+        "delete_users": lambda: c.delete_users(user_id="ann"),
+        "reset": lambda: c.reset(),
+        "batch_update": lambda: c.batch_update([{"memory_id": fact_id, "text": "Ann likes tea."}]),
+        "batch_delete": lambda: c.batch_delete([{"memory_id": fact_id}]),
+        "create_memory_export": lambda: c.create_memory_export(schema="{}", user_id="ann"),
+        "get_memory_export": lambda: c.get_memory_export(user_id="ann"),
+        "get_summary": lambda: c.get_summary(filters={"user_id": "ann"}),
+        "feedback": lambda: c.feedback(fact_id, feedback="POSITIVE"),
+        "get_profile": lambda: c.get_profile("ann"),
+        "generate_profile": lambda: c.generate_profile("ann"),
+        "sample_profiles": lambda: c.sample_profiles(limit=2),
+        "get_profile_job": lambda: c.get_profile_job("job-1"),
+        "get_profile_settings": lambda: c.get_profile_settings(),
+        "update_profile_settings": lambda: c.update_profile_settings(enabled=True),
+        "get_project": lambda: c.get_project(),
+        "update_project": lambda: c.update_project(custom_instructions="Keep it short."),
+        "get_webhooks": lambda: c.get_webhooks("project-1"),
+        "create_webhook": lambda: c.create_webhook("https://example.com/hook", "hook", "project-1", ["memory_add"]),
+        "update_webhook": lambda: c.update_webhook(1, name="hook"),
+        "delete_webhook": lambda: c.delete_webhook(1),
+        "project.get": lambda: p.get(),
+        "project.create": lambda: p.create("another"),
+        "project.update": lambda: p.update(custom_instructions="Keep it short."),
+        "project.delete": lambda: p.delete(),
+        "project.get_members": lambda: p.get_members(),
+        "project.add_member": lambda: p.add_member("a@example.com"),
+        "project.update_member": lambda: p.update_member("a@example.com", "OWNER"),
+        "project.remove_member": lambda: p.remove_member("a@example.com"),
+    }
+    return calls
+
+
+def test_every_method_of_the_installed_mem0_clients_works_or_answers_501_naming_it(service: str, keys: dict[str, str]) -> None:
+    import asyncio
+
+    from mem0 import AsyncMemoryClient, MemoryClient
+    from mem0.client.project import AsyncProject, Project
+
+    from serve_app.ingress.mem0_unimplemented import NOT_IMPLEMENTED
+
+    answered_501 = {method for _, _, methods in NOT_IMPLEMENTED for method in methods}
+    client_501 = {m for m in answered_501 if not m.startswith("project.")}
+    project_501 = {m.removeprefix("project.") for m in answered_501 if m.startswith("project.")}
+    for cls in (MemoryClient, AsyncMemoryClient):
+        assert _public(cls) == IMPLEMENTED | set(RAISE_IN_THE_CLIENT) | client_501, cls.__name__
+    for cls in (Project, AsyncProject):
+        assert _public(cls) == project_501, cls.__name__
+
+    # the implemented ones, through the async client too (the sync client's are test_the_mem0_client_drives_every_memory_call)
+    async def implemented() -> str:
+        client = AsyncMemoryClient(api_key=keys["ann"], host=service)
+        added = (await client.add([{"role": "user", "content": "Ann's cat is called Miso."}], user_id="ann", infer=False))["results"]
+        fact_id = added[0]["id"]
+        assert (await client.get(fact_id))["memory"] == "Ann's cat is called Miso."
+        assert fact_id in {m["id"] for m in (await client.get_all(filters={"user_id": "ann"}))["results"]}
+        assert (await client.search("What is Ann's cat called?", filters={"user_id": "ann"}))["results"][0]["id"] == fact_id
+        assert (await client.update(fact_id, text="Ann's cat is called Mochi."))["memory"] == "Ann's cat is called Mochi."
+        assert [e["event"] for e in await client.history(fact_id)] == ["ADD", "UPDATE"]
+        with pytest.raises(NotImplementedError):
+            await client.chat()
+        await client.delete(fact_id)
+        await client.delete_all(user_id="ann")
+        assert (await client.get_all(filters={"user_id": "ann"}))["count"] == 0
+        return fact_id
+
+    fact_id = asyncio.run(implemented())
+    sync_client = _client(service, keys["ann"])
+    with pytest.raises(NotImplementedError):
+        sync_client.chat()
+    sync_calls = _unimplemented_calls(sync_client, fact_id)
+    assert set(sync_calls) == answered_501  # every 501 route is reached by a method
+    _each_answered_501(_raised(sync_calls))
+
+    async def async_raised() -> dict[str, BaseException | None]:
+        client = AsyncMemoryClient(api_key=keys["ann"], host=service)
+        raised: dict[str, BaseException | None] = {}
+        for name, call in _unimplemented_calls(client, fact_id).items():
+            try:
+                await call()
+                raised[name] = None
+            except Exception as exc:  # noqa: BLE001 - checked by _each_answered_501
+                raised[name] = exc
+        return raised
+
+    _each_answered_501(asyncio.run(async_raised()))
+
+    # a 501 route needs a key like any other, and changes nothing
+    refused = requests.put(f"{service}/v1/batch/", json={"memories": []}, timeout=60)
+    assert refused.status_code == 401, refused.text
+    assert _client(service, keys["ann"]).get_all(filters={"user_id": "ann"})["count"] == 0

@@ -21,6 +21,7 @@ from tests.serve_harness import running_service
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"  # the memory's query embedder, as /v1/models names it
 MAX_OUTPUT = 32
 QUESTION = "What is the capital of France?"
 
@@ -51,7 +52,7 @@ def test_text_parts_and_max_completion_tokens(client) -> None:
     four = ask(client, parts, max_completion_tokens=4)
     assert four.usage.completion_tokens == 4 and four.choices[0].finish_reason == "length"
     assert four.choices[0].message.content == joined.choices[0].message.content  # parts joined by newlines
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, EMBEDDING_MODEL]
 
 
 def test_stop_ends_the_answer_before_the_stop_sequence(client) -> None:
@@ -176,9 +177,16 @@ def test_n_choices_are_each_sampled_streamed_by_index_and_injected_alike(client,
     assert [c.index for c in sampled.choices] == [0, 1]
     assert [c.message.content for c in sampled.choices] == [one.choices[0].message.content for one in singles]
     assert sampled.usage.completion_tokens == sum(one.usage.completion_tokens for one in singles)
-    assert len(ask(client, QUESTION, n=3, max_completion_tokens=4).choices) == 3  # n > 1 alone samples (temperature 1)
-    with pytest.raises(openai.BadRequestError, match="greedy"):
-        ask(client, QUESTION, n=2, temperature=0, max_completion_tokens=4)  # n copies of one greedy answer: vLLM refuses
+    # n keeps the request's sampling, as OpenAI's does: greedy (temperature 0, the default here) gives n identical choices
+    greedy = ask(client, QUESTION, max_completion_tokens=6)
+    for kwargs in ({}, {"temperature": 0}):
+        three = ask(client, QUESTION, n=3, max_completion_tokens=6, **kwargs)
+        assert [c.index for c in three.choices] == [0, 1, 2]
+        assert [c.message.content for c in three.choices] == [greedy.choices[0].message.content] * 3
+        assert three.usage.completion_tokens == 3 * greedy.usage.completion_tokens  # each choice counted, as OpenAI does
+    streamed = list(ask(client, QUESTION, n=2, temperature=0, max_completion_tokens=6, stream=True))
+    assert {i: "".join(ch.delta.content or "" for c in streamed for ch in c.choices if ch.index == i) for i in (0, 1)} == {
+        0: greedy.choices[0].message.content, 1: greedy.choices[0].message.content}
 
     chunks = list(ask(client, QUESTION, n=2, temperature=1.0, seed=5, max_completion_tokens=8, stream=True,
                       stream_options={"include_usage": True}))
@@ -238,3 +246,95 @@ def test_text_completions_continue_the_prompt_as_it_is(client) -> None:
     assert refused.value.param == "echo"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="hello " * 1100, max_tokens=8)  # past the 1024-token context
+
+
+def test_models_retrieve_and_embeddings_create(client) -> None:
+    import base64
+
+    import numpy as np
+    import openai
+
+    assert client.models.retrieve(MODEL).id == MODEL and client.models.retrieve(EMBEDDING_MODEL).id == EMBEDDING_MODEL
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.models.retrieve("gpt-4o")
+    assert unknown.value.code == "model_not_found"
+
+    texts = ["The capital of France is Paris.", "Paris is France's capital city.", "My dog likes to chase balls."]
+    as_base64 = client.embeddings.create(model=EMBEDDING_MODEL, input=texts)  # the client asks for base64 and decodes it
+    as_floats = client.embeddings.create(model=EMBEDDING_MODEL, input=texts, encoding_format="float")
+    assert [e.index for e in as_base64.data] == [0, 1, 2] and as_base64.model == EMBEDDING_MODEL
+    rows = np.array([e.embedding for e in as_floats.data])
+    assert rows.shape == (3, 384) and np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-4)  # unit rows
+    assert np.allclose(np.array([e.embedding for e in as_base64.data]), rows, atol=1e-5)
+    assert rows[0] @ rows[1] > rows[0] @ rows[2] + 0.3  # the paraphrase is nearer than the unrelated sentence
+    assert as_floats.usage.prompt_tokens == as_floats.usage.total_tokens > 3 * 5
+    one = client.embeddings.create(model=EMBEDDING_MODEL, input=texts[0], encoding_format="float").data[0].embedding
+    assert np.allclose(one, rows[0], atol=1e-5)  # a single string is one row, the same as in a batch
+    raw = client.embeddings.with_raw_response.create(model=EMBEDDING_MODEL, input="hi", encoding_format="base64").http_response.json()
+    assert isinstance(raw["data"][0]["embedding"], str) and len(base64.b64decode(raw["data"][0]["embedding"])) == 384 * 4
+
+    def refused(**kwargs):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.embeddings.create(**{"model": EMBEDDING_MODEL, "input": "hi", **kwargs})
+        return caught.value
+
+    assert refused(dimensions=128).param == "dimensions"  # this model cannot shorten its embeddings
+    assert client.embeddings.create(model=EMBEDDING_MODEL, input="hi", dimensions=384).data[0].embedding  # its own is fine
+    assert refused(input=[[1, 2, 3]]).param == "input"  # token ids mean nothing to this model's tokenizer
+    too_long = refused(input=["short", "word " * 600])
+    assert (too_long.param, too_long.code) == ("input.1", "context_length_exceeded")
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="text-embedding-3-small", input="hi")
+
+
+def test_harmless_client_fields_are_accepted_and_change_nothing(client, base_url: str) -> None:
+    import openai
+
+    plain = ask(client, QUESTION, max_completion_tokens=8)
+    tagged = ask(client, QUESTION, max_completion_tokens=8, store=True, metadata={"team": "search", "run": "7"},
+                 service_tier="auto", prompt_cache_key="capitals", safety_identifier="hashed-user-1")
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(client, QUESTION, metadata={f"k{i}": "v" for i in range(17)})  # OpenAI's bound: 16 pairs
+    assert refused.value.param.startswith("metadata")
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(client, QUESTION, service_tier="fastest")
+    assert refused.value.param == "service_tier"
+
+
+def test_responses_create_plain_streamed_and_continued(client) -> None:
+    import openai
+
+    plain = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16)
+    chat = ask(client, QUESTION, max_completion_tokens=16).choices[0].message.content
+    assert plain.status in ("completed", "incomplete") and plain.output_text == chat  # the same chat, in another dialect
+    assert plain.usage.output_tokens <= 16 and plain.usage.input_tokens > 5
+    assert client.responses.retrieve(plain.id).output_text == chat  # stored (OpenAI's default)
+
+    events = list(client.responses.create(model=MODEL, input=[{"role": "user", "content": QUESTION}], max_output_tokens=16, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat == events[-1].response.output_text
+
+    # previous_response_id puts the stored conversation first: the same as sending it whole
+    follow_up = "And of Germany?"
+    continued = client.responses.create(model=MODEL, input=follow_up, previous_response_id=plain.id, max_output_tokens=12)
+    whole = client.responses.create(model=MODEL, max_output_tokens=12, input=[
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": chat}, {"role": "user", "content": follow_up}])
+    assert continued.output_text == whole.output_text and continued.previous_response_id == plain.id
+
+    unkept = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model=MODEL, input=follow_up, previous_response_id=unkept.id)
+    assert missing.value.param == "previous_response_id"
+    client.responses.delete(plain.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(plain.id)
+    with pytest.raises(openai.BadRequestError) as tools:
+        client.responses.create(model=MODEL, input=QUESTION, tools=[{"type": "web_search"}])
+    assert tools.value.param == "tools"

@@ -5,7 +5,7 @@ MemoryError, whose message is the body (`detail` holds the message for Mem0's cl
 the OpenAI-shaped body every error of this service has, `code: not_implemented`).
 
 The routes are the ones `mem0ai` 2.2.1's MemoryClient, AsyncMemoryClient and `client.project` call
-(tests/test_mem0_methods.py lists the installed client's methods by introspection and checks each
+(tests/test_mem0_client.py lists the installed client's methods by introspection and checks each
 either works or gets this 501). They need a valid key like every route (serve_app.ingress.gate),
 touch nothing, accept any query parameters (the client sends org_id and project_id on some) and are
 left out of the OpenAPI schema: the schema documents what the service implements.

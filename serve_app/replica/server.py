@@ -9,7 +9,7 @@ shard rebuild). A chat with a `user` asks the shard for a plan (top-k facts, tok
 kv_transfer_params) and runs it; a too-long prompt gets a 400 before the engine sees it. Metrics:
 ray.serve.metrics. A dead engine core is restarted in place (serve_app.replica.lifecycle);
 check_health fails only when that does not work; health() reports engine and shard (text completions:
-.text_completions; embeddings: .query_embeddings)."""
+.text_completions; embeddings: .query_embeddings; the engine's first-request compile paid at start: .warm_up)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from serve_app.replica.sampling import choice_copies, engine_errors_as_ours, sam
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
 from serve_app.replica.query_embeddings import QueryEmbeddings
 from serve_app.replica.text_completions import TextCompletions
+from serve_app.replica.warm_up import WarmUps
 from serve_app.replica.shard_watchdog import ShardWatchdog
 from serve_app.replica.startup import ReplicaStart
 from serve_app.shard_routing import replica_metadata
@@ -100,6 +101,9 @@ class MemoryLLM(TextCompletions, QueryEmbeddings):
         self.chats_running = ChatsRunning()  # the chats being served, which the encoder yields to
         self.driver = EncodeDriver.for_memory(self.shard, self.engine, settings.memory, self.metrics.encoded, self.chats_running)
         self._start_embedder()  # POST /v1/embeddings' copy of the query embedder, loaded on its own thread
+        # the engine's first-logprobs compile, paid now (serve_app.replica.warm_up); a rebuilt engine again
+        self.warm_ups = WarmUps(list(self.tokenizer("Hello").input_ids), settings.engine_restart_timeout_s)
+        self.warm_ups.ensure(self.engine)
 
     @staticmethod
     def _plan_channel(settings: ServiceSettings, shard_id: int) -> Any:
@@ -117,6 +121,7 @@ class MemoryLLM(TextCompletions, QueryEmbeddings):
     # ------------------------------------------------------------------ background work
     def _ensure_driver(self) -> None:
         self.keeper.watch()
+        self.warm_ups.ensure(self.engine)
         if self._driver_task is None or self._driver_task.done():
             self._driver_task = asyncio.get_running_loop().create_task(self.driver.run_forever())
 

@@ -1,0 +1,72 @@
+"""The engine's one-time costs paid when the replica starts, not in a client's first request.
+
+vLLM compiles (torch.compile, inductor) the sampler's rank kernel for logprobs
+(vllm.v1.sample.ops.logprobs.batched_count_greater_than) on the first request that asks for
+logprobs: on two CPU cores the first chat with `logprobs` took 19.7 s, later ones 0.2-0.4 s (issue
+37). One one-token generation with logprobs (sampled, so the sampling path is compiled too), sent at
+the encoder's priority as soon as an engine is up (at the replica's start, and again when the engine
+is rebuilt in place: serve_app.replica.lifecycle.EngineKeeper), pays it before clients come.
+Measured by bench/api/logprobs_cold_start.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from serve_app.replica.scheduling import ENCODE_PRIORITY
+
+logger = logging.getLogger(__name__)
+
+
+async def warm_up(engine: Any, prompt_ids: list[int], timeout_s: float) -> float | None:
+    """One one-token request with logprobs on `engine`; its seconds, or None when it failed or ran
+    past timeout_s (logged: the cost then falls on the first client request, as without it)."""
+    from vllm import SamplingParams  # the replica's process boundary (serve_app.replica.server)
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, logprobs=1, temperature=1.0, seed=0)
+    started = time.perf_counter()
+
+    async def run() -> None:
+        generated = engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=f"warm-up-{uuid.uuid4().hex}", priority=ENCODE_PRIORITY)
+        async for _ in generated:
+            pass
+
+    try:
+        await asyncio.wait_for(run(), timeout_s)
+    except Exception as exc:  # noqa: BLE001 - a failed warm-up only leaves the cost to the first request
+        logger.warning("engine warm-up (logprobs) failed after %.1f s: %s: %s", time.perf_counter() - started, type(exc).__name__, exc)
+        return None
+    seconds = time.perf_counter() - started
+    logger.info("engine warm-up (logprobs, sampling) took %.1f s", seconds)
+    return seconds
+
+
+class WarmUps:
+    """Warms each engine the replica gets once (the first at start, each rebuilt one after)."""
+
+    def __init__(self, prompt_ids: list[int], timeout_s: float) -> None:
+        self.prompt_ids = prompt_ids
+        self.timeout_s = timeout_s
+        self._warmed: Any = None
+        self.task: asyncio.Task | None = None
+        self.seconds: float | None = None
+
+    def ensure(self, engine: Any) -> None:
+        """Starts the warm-up of `engine` unless it was started already; needs a running event loop
+        (without one, nothing happens and a later call starts it)."""
+        if engine is None or engine is self._warmed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._warmed = engine
+        self.task = loop.create_task(self._run(engine))
+
+    async def _run(self, engine: Any) -> None:
+        self.seconds = await warm_up(engine, self.prompt_ids, self.timeout_s)
