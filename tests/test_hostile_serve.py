@@ -99,6 +99,11 @@ def test_the_host_header_is_never_reflected(service: str, keys: dict[str, str]) 
         ("GET", "/v1/admin/keys"): None,
         ("DELETE", "/v1/admin/keys/{key_id}"): None,
         ("GET", "/v1/models"): None,
+        ("GET", "/v1/models/{model_id}"): None,
+        ("POST", "/v1/embeddings"): {"input": "kite", "user": "bea"},
+        ("POST", "/v1/responses"): {"input": "Hi", "user": "bea", "max_output_tokens": 2},
+        ("GET", "/v1/responses/{response_id}"): None,
+        ("DELETE", "/v1/responses/{response_id}"): None,
         ("GET", "/health"): None,
         ("GET", "/v1/ping/"): None,
         ("POST", "/v3/memories/add/"): {"messages": [{"role": "user", "content": "I like kites."}], "user_id": "bea", "infer": False},
@@ -117,7 +122,7 @@ def test_the_host_header_is_never_reflected(service: str, keys: dict[str, str]) 
              ("GET", "/docs", None), ("GET", "/redoc", None), ("GET", "/openapi.json", None), ("GET", "/docs/oauth2-redirect", None)]
     seen: list[str] = []
     for method, path, body in [(m, p, bodies[(m, p)]) for m, p in order] + extra:
-        url = service + path.format(fact_id=fact, key_id=spare)
+        url = service + path.format(fact_id=fact, key_id=spare, model_id="gpt-4o", response_id=f"resp_{'0' * 32}")
         key = ADMIN_KEY if "/admin/" in path or path == "/v1/shards" else keys["cal"] if path == "/v1/memories" and method == "DELETE" else bea
         params = queries.get((method, path))
         answer = call(method, url, key, json=body, params=params, headers={"Host": EVIL})

@@ -145,7 +145,7 @@ def test_a_fact_too_long_for_an_entry_is_refused_and_nothing_is_stored(base_url:
     response = requests.post(memories, json={"user_id": "quinn", "facts": ["Quinn has a dog.", long_fact]}, timeout=300)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert (error["param"], error["code"]) == ("facts.1", "fact_too_long") and "256 tokens" in error["message"]
+    assert (error["param"], error["code"]) == ("facts.1", "fact_too_long") and "256 tokens" in error["message"], error
     assert requests.get(memories, params={"user_id": "quinn"}, timeout=60).json()["results"] == []  # all or nothing
 
     long_message = {"role": "user", "content": "I like dogs. " * 400}  # its extraction prompt exceeds 1024 tokens
