@@ -83,6 +83,12 @@ class EngineSettings(BaseModel):
         description="Seconds between the engine's stats log lines (running and waiting requests, preemptions, "
         "throughput, prefix-cache hits), as vLLM's own server logs them; 0: never.",
     )
+    warm_up: bool = Field(
+        True,
+        description="Send one one-token generation with logprobs when an engine starts, so vLLM's compile of its "
+        "logprob kernel (15-20 s on two CPU cores) is not paid by a client's first request with logprobs "
+        "(serve_app.replica.warm_up); false: that request pays it.",
+    )
     load_format: Literal["auto", "dummy", "safetensors", "gguf"] = Field(
         "auto",
         description="How vLLM loads the weights. dummy: random weights from the folder's config.json (timing runs "

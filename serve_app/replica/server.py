@@ -102,7 +102,7 @@ class MemoryLLM(TextCompletions, QueryEmbeddings):
         self.driver = EncodeDriver.for_memory(self.shard, self.engine, settings.memory, self.metrics.encoded, self.chats_running)
         self._start_embedder()  # POST /v1/embeddings' copy of the query embedder, loaded on its own thread
         # the engine's first-logprobs compile, paid now (serve_app.replica.warm_up); a rebuilt engine again
-        self.warm_ups = WarmUps(list(self.tokenizer("Hello").input_ids), settings.engine_restart_timeout_s)
+        self.warm_ups = WarmUps(list(self.tokenizer("Hello").input_ids), settings.engine_restart_timeout_s, settings.engine.warm_up)
         self.warm_ups.ensure(self.engine)
 
     @staticmethod

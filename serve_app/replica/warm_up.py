@@ -49,7 +49,8 @@ async def warm_up(engine: Any, prompt_ids: list[int], timeout_s: float) -> float
 class WarmUps:
     """Warms each engine the replica gets once (the first at start, each rebuilt one after)."""
 
-    def __init__(self, prompt_ids: list[int], timeout_s: float) -> None:
+    def __init__(self, prompt_ids: list[int], timeout_s: float, enabled: bool = True) -> None:
+        self.enabled = enabled  # engine.warm_up
         self.prompt_ids = prompt_ids
         self.timeout_s = timeout_s
         self._warmed: Any = None
@@ -59,7 +60,7 @@ class WarmUps:
     def ensure(self, engine: Any) -> None:
         """Starts the warm-up of `engine` unless it was started already; needs a running event loop
         (without one, nothing happens and a later call starts it)."""
-        if engine is None or engine is self._warmed:
+        if not self.enabled or engine is None or engine is self._warmed:
             return
         try:
             loop = asyncio.get_running_loop()
