@@ -119,6 +119,7 @@ def test_refusals_are_openai_errors_the_client_raises(client) -> None:
     assert too_many.param == "max_completion_tokens" and too_many.code == "max_tokens_exceeded"
     too_long = refused(openai.BadRequestError, content="hello " * 1100, max_completion_tokens=8)
     assert too_long.code == "context_length_exceeded" and "1024" in too_long.message
+    assert too_long.param == "messages"  # the prompt alone leaves no room: the field at fault is the prompt's
     assert refused(openai.BadRequestError, top_logprobs=2).param is None  # needs logprobs=true
     assert ask(client, QUESTION, max_completion_tokens=4).usage.completion_tokens == 4  # the engine is fine
 
@@ -338,3 +339,28 @@ def test_responses_create_plain_streamed_and_continued(client) -> None:
     with pytest.raises(openai.BadRequestError) as tools:
         client.responses.create(model=MODEL, input=QUESTION, tools=[{"type": "web_search"}])
     assert tools.value.param == "tools"
+
+
+def test_text_completions_take_token_ids_and_errors_name_the_field_at_fault(client, smollm2_dir) -> None:
+    import openai
+    from transformers import AutoTokenizer
+
+    prompt = "The capital of France is"
+    ids = list(AutoTokenizer.from_pretrained(smollm2_dir)(prompt).input_ids)
+    as_text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    for given in (ids, [ids]):  # token ids, or a list holding one list of them
+        as_ids = client.completions.create(model=MODEL, prompt=given, max_tokens=4)
+        assert as_ids.choices[0].text == as_text.choices[0].text and as_ids.usage.prompt_tokens == len(ids)
+
+    def refused(**kwargs):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(**{"model": MODEL, "max_tokens": 4, **kwargs})
+        return caught.value
+
+    outside = refused(prompt=[ids[0], 10**8])
+    assert (outside.param, outside.code) == ("prompt.1", "invalid_token_id") and "vocabulary" in outside.message
+    alone = refused(prompt=[ids[0]] * 1100)
+    assert (alone.param, alone.code) == ("prompt", "context_length_exceeded")
+    asked = refused(prompt=[ids[0]] * 1000, max_tokens=30)
+    assert (asked.param, asked.code) == ("max_tokens", "context_length_exceeded") and "at most 24" in asked.message
+    assert "one prompt per request" in refused(prompt=["a", "b"]).message
