@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 
 import torch
 
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 _CUDA_HOST_REGISTER_PORTABLE = 1
 _CUDA_HOST_REGISTER_MAPPED = 2
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+SLOW_PIN_S = 2.0  # a pin slower than this is reported as a warning (the engine's default log level)
 
 
 def _device_pointer(host_ptr: int) -> int | None:
@@ -72,6 +74,7 @@ def pin_host_tensor(host: torch.Tensor, device: torch.device) -> torch.Tensor | 
     if not host.is_contiguous():
         raise ValueError("only a contiguous tensor can be pinned in place")
     nbytes = host.numel() * host.element_size()
+    started = time.perf_counter()
     try:
         rc = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED))
     except Exception as exc:  # noqa: BLE001
@@ -86,4 +89,7 @@ def pin_host_tensor(host: torch.Tensor, device: torch.device) -> torch.Tensor | 
         return None
     with torch.cuda.device(device):
         flat = torch.as_tensor(_CudaArrayInterface(pointer, nbytes), device=device)
+    # a start phase: registering faults in every page of a sparse kv.bin (12 GiB in config.gpu.yaml)
+    took = time.perf_counter() - started
+    logger.log(logging.WARNING if took > SLOW_PIN_S else logging.INFO, "pinned the host tier (%.1f GiB) in %.1f s", nbytes / 2**30, took)
     return flat.view(host.dtype).view(host.shape)

@@ -25,6 +25,7 @@ from redis.retry import Retry
 
 from memory.quota import QuotaSettings, Usage, UserQuota, text_bytes
 from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact, content_bytes, new_fact_id
+from memory.redis_breaker import RedisBreaker, guard
 from memory.redis_keys import RedisKeys, stable_shard
 
 
@@ -49,13 +50,13 @@ class FactStore:
         """A store over the Redis at `url` (`password`: its requirepass; one in the URL wins). Every
         command is bounded: `timeout_s` to connect and per reply; a command that fails on the
         connection is retried (redis-py's default policy, about 10 s in all), so a Redis restart
-        stalls callers briefly instead of failing them."""
+        stalls callers briefly instead of failing them. Once a command got no answer, every command
+        fails at once (RedisAway) until Redis answers a ping again (memory.redis_breaker)."""
         client = redis.Redis.from_url(url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        store = cls(client, prefix, quota)
         quick = min(timeout_s, 0.5)
-        store.probe = redis.Redis.from_url(
-            url, password=password, socket_timeout=quick, socket_connect_timeout=quick, retry=Retry(NoBackoff(), 0)
-        )
+        probe = redis.Redis.from_url(url, password=password, socket_timeout=quick, socket_connect_timeout=quick, retry=Retry(NoBackoff(), 0))
+        store = cls(guard(client, RedisBreaker(probe.ping, name=f"redis ({prefix})")), prefix, quota)
+        store.probe = probe
         return store
 
     # ------------------------------------------------------------------ keys

@@ -38,7 +38,10 @@ def test_every_route_is_fuzzed_without_server_errors_schema_violations_or_hangs(
     user_key = mint_user_key(base_url)
     summary = fuzz(base_url, EXAMPLES, seed=1, timeout_s=300, auth_header=user_key, bound_user=FUZZ_USER)
     report = "\n".join(f"{v.operation} [{v.mode}] {v.status}: {v.message[:500]}" for v in summary.violations[:10])
-    assert summary.ok(), f"{summary.status_5xx} 5xx, {summary.timeouts} hangs, {summary.schema_violations} violations:\n{report}"
+    assert summary.ok(), (
+        f"{summary.status_5xx} 5xx, {summary.timeouts} hangs, {summary.schema_violations} violations:\n{report}\n"
+        f"shapes answered otherwise than expected: {summary.shapes.get('unexpected')}\nread-back failures: {summary.read_back.get('failures')}"
+    )
     assert set(summary.per_operation) == operations  # every route was called
     assert summary.requests >= len(operations) * 2
     assert summary.statuses.get("200", 0) > 0 and summary.statuses.get("400", 0) > 0  # both accepted and refused

@@ -23,6 +23,7 @@ from typing import Any
 import requests
 
 from serve_app.memory_protocol import MAX_METADATA_BYTES, MAX_METADATA_DEPTH
+from serve_app.protocol import MAX_SCHEMA_DEPTH
 
 
 class Deep:
@@ -112,9 +113,11 @@ def shape_cases(user: str) -> list[Case]:
         tree = {"AND": [{"user_id": user}, {"OR": nested(levels)}]}
         cases.append((f"mem0 list filters {levels} levels", "POST", "/v3/memories/", {"filters": tree}, None, False))
         cases.append((f"mem0 search filters {levels} levels", "POST", "/v3/memories/search/", {"query": "bees", "filters": tree}, None, False))
+        schema_depth = 2 + levels  # the schema and its properties, then `levels` objects (serve_app.protocol.json_depth)
         cases.append((f"chat schema {levels} levels", "POST", "/v1/chat/completions",
                       {"messages": message, "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {
-                          "name": "deep", "schema": {"type": "object", "properties": {"a": nested(levels, in_objects=True)}}}}}, None, False))
+                          "name": "deep", "schema": {"type": "object", "properties": {"a": nested(levels, in_objects=True)}}}}},
+                      None, schema_depth <= MAX_SCHEMA_DEPTH))
     cases.append(("search threshold NaN", "POST", "/v1/memories/search", {"user_id": user, "query": "bees", "threshold": float("nan")}, None, False))
     cases.append(("chat 256 messages", "POST", "/v1/chat/completions", {"messages": message * 256, "max_tokens": 2}, None, None))  # the context decides
     cases.append(("chat 257 messages", "POST", "/v1/chat/completions", {"messages": message * 257, "max_tokens": 2}, None, False))

@@ -117,6 +117,9 @@ def started_with(service: Any) -> dict[str, Any]:
             "plan_lines": [line[:400] for line in log if "memory plan" in line][:4]}
 
 
+DEPLOY_FAILED_MARKS = ("failed with exception", "DEPLOY_FAILED", "Deploying app 'kvmem' failed")
+
+
 def refused_start(out: Path, device_pages: int = 10_000_000, timeout_s: float = 180.0) -> dict[str, Any]:
     """`serve run config.gpu.yaml` with an HBM tier far past the card: seconds until it ends, its exit
     code and the lines that name the refusal."""
@@ -131,19 +134,25 @@ def refused_start(out: Path, device_pages: int = 10_000_000, timeout_s: float = 
     started = time.monotonic()
     process = subprocess.Popen([sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)],
                                cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    ended = failed = None  # `serve run` stays up after its application is DEPLOY_FAILED: the log says when
     try:
-        process.wait(timeout_s)
-        ended = round(time.monotonic() - started, 1)
-    except subprocess.TimeoutExpired:
-        ended = None
-        os.killpg(process.pid, signal.SIGINT)
-        process.wait(60)
+        while ended is None and time.monotonic() - started < timeout_s:
+            if process.poll() is not None:
+                ended = round(time.monotonic() - started, 1)
+            elif failed is None and any(mark in log_path.read_text(errors="replace") for mark in DEPLOY_FAILED_MARKS):
+                failed = round(time.monotonic() - started, 1)
+                break
+            time.sleep(0.5)
     finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGINT)
+            process.wait(60)
         service.stop()
     lines = [line for line in log_path.read_text(errors="replace").splitlines()
              if any(word in line for word in ("PlanRefused", "does not fit", "memory plan", "device_pages"))]
-    return {"device_pages": device_pages, "ended_after_s": ended, "exit_code": process.returncode,
-            "within_60_s": ended is not None and ended <= 60, "message_lines": lines[-6:]}
+    first = failed if failed is not None else ended
+    return {"device_pages": device_pages, "deploy_failed_after_s": failed, "serve_run_ended_after_s": ended,
+            "exit_code": process.returncode, "within_60_s": first is not None and first <= 60, "message_lines": lines[-6:]}
 
 
 def main() -> None:

@@ -54,7 +54,7 @@ from memory.records import StoreUnavailable, is_fact_id
 from serve_app.ingress.admission import Admission, RequestClass, Refused
 from serve_app.ingress.auth import Authenticator, KeyStore, Principal, caller
 from serve_app.ingress.replica_calls import answer_unless, with_failover
-from serve_app.ingress.errors import http_error, install_error_handlers, store_unavailable
+from serve_app.ingress.errors import UNAVAILABLE_RETRY_AFTER_S, http_error, install_error_handlers, store_unavailable
 from serve_app.ingress.gate import RequestGate
 from serve_app.ingress.strict_routes import register, strict_app
 from serve_app.memory_protocol import (
@@ -376,4 +376,6 @@ class ChatRoutes:
         report = {"status": "ok" if not failing else "; ".join(failing), **report}
         if (running := self._replicas_running()) is not None:  # below `wanted` while Serve replaces a replica
             report["llm_replicas"] = {"running": running, "wanted": self.num_shards * self.settings.llm_replicas_per_shard}
-        return JSONResponse(report, status_code=200 if not failing else 503)
+        if not failing:
+            return JSONResponse(report)
+        return JSONResponse(report, status_code=503, headers={"Retry-After": UNAVAILABLE_RETRY_AFTER_S})  # a part restarting or away

@@ -56,6 +56,8 @@ def refusals_as_rejections() -> Iterator[None]:
     """vLLM's refusal of a request (bad sampling or structured-output arguments) as RequestRejected (400)."""
     try:
         yield
+    except RequestRejected:  # our own refusal (a ValueError too): its param and code stay
+        raise
     except vllm_client_errors() as exc:
         raise RequestRejected(str(exc), param=getattr(exc, "parameter", None)) from None
 
