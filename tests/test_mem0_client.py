@@ -4,7 +4,9 @@ construction), add (facts as given, and messages the served model extracts facts
 get_all (paginated), search, update, delete, delete_all and history — with its `Token` header,
 and answers in Mem0's field names (id, memory, user_id, metadata, created_at, updated_at, score).
 A key acts only for its users here too: another user's memories answer 403 and 404, and a wrong
-key fails the client's ping.
+key fails the client's ping. Then every public method of the installed MemoryClient, AsyncMemoryClient
+and `client.project`, found by introspection: each works, or reaches the service and gets its 501
+naming the method (serve_app.ingress.mem0_unimplemented), or (`chat`) raises in the client.
 """
 
 from __future__ import annotations
