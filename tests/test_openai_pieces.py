@@ -100,3 +100,16 @@ def test_embedding_requests_take_text_and_refuse_token_ids_by_name() -> None:
             EmbeddingRequest.model_validate(refused)
     with pytest.raises(ValidationError, match="token ids"):
         EmbeddingRequest.model_validate({"input": [[1, 2]]})
+
+
+def test_a_text_completion_of_token_ids_reaches_vllms_model_as_its_prompt() -> None:
+    from serve_app.completion_protocol import CompletionRequest
+    from serve_app.replica.sampling import completion_sampling_params
+
+    for prompt in ([1, 2, 3], [[1, 2, 3]]):  # an empty text prompt once made vLLM's own model refuse it (a 500)
+        request = CompletionRequest.model_validate({"prompt": prompt, "max_tokens": 4, "n": 2})
+        assert request.token_ids == [1, 2, 3] and request.text == ""
+        params = completion_sampling_params(request, 4)
+        assert (params.max_tokens, params.n) == (4, 1)  # greedy n: one generation, given twice
+    with pytest.raises(ValidationError, match="one prompt per request"):
+        CompletionRequest.model_validate({"prompt": ["a", "b"]})

@@ -114,7 +114,7 @@ def sampling_params(request: ChatCompletionRequest, max_tokens: int, extra_args:
 def completion_sampling_params(request: CompletionRequest, max_tokens: int) -> Any:
     """vLLM SamplingParams for a text completion (serve_app.completion_protocol), as for a chat."""
     body = request.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)
-    body["prompt"] = request.text
+    body["prompt"] = request.token_ids or request.text  # vLLM's model refuses an empty prompt; ids are a prompt to it too
     return _through_vllm(vllm_completion_request_class(), body, max_tokens, None)
 
 
