@@ -38,7 +38,7 @@ class EmbeddingsSettings(BaseModel):
         8192,
         ge=1,
         description="Most tokens (by the embedder's tokenizer) one request may embed in all (400 past it): the work of one "
-        "request is bounded (8,192 tokens: about 2-4 s on two CPU cores).",
+        "request is bounded.",
     )
     timeout_s: float = Field(
         30.0, gt=0, description="Most seconds a request waits for the replica's embedder (its load at start, its turn, its run): 503 past it."
