@@ -272,8 +272,9 @@ def test_health_answers_within_a_second_while_16_long_chats_are_planned(served_a
             statuses.append(response.status_code)
             time.sleep(0.1)
 
-    def chat(_: int) -> int:
-        return requests.post(f"{served_app}/v1/chat/completions", json=body, timeout=600).status_code
+    def chat(_: int) -> tuple[int, str | None]:
+        answer = requests.post(f"{served_app}/v1/chat/completions", json=body, timeout=600)
+        return answer.status_code, answer.headers.get("Retry-After")
 
     poller = threading.Thread(target=poll_health)
     poller.start()
@@ -283,7 +284,10 @@ def test_health_answers_within_a_second_while_16_long_chats_are_planned(served_a
     finally:
         done.set()
         poller.join()
-    assert set(chat_statuses) == {400}  # far past the 1,024-token context: planned by the shard, then refused
+    # far past the 1,024-token context: planned by the shard, then refused; a plan that waited past
+    # plan_channel_timeout_s behind the others is shed, 503 with Retry-After (on a loaded 2-core machine)
+    assert {status for status, _ in chat_statuses} <= {400, 503} and (400, None) in chat_statuses, chat_statuses
+    assert all(retry_after for status, retry_after in chat_statuses if status == 503), chat_statuses
     assert len(health_times) >= 5, health_times  # the chats kept the service busy for a while
     assert max(health_times) <= 1.0, sorted(health_times)[-5:]
     assert set(statuses) == {200}, statuses
