@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import psutil
 import requests
 
 from kvarena.arena import LIVE, FactArena
@@ -87,3 +88,11 @@ def check_nothing_lost_or_leaked(url: str, load: Load) -> None:
         assert usage["pages_used"] == int(live["n_pages"].sum())  # free capacity: all but the live entries'
     finally:
         arena.close()
+
+
+def cmdline_of(process: psutil.Process) -> str:
+    """The process's command line, "" for one that exited meanwhile (a replaced replica is a zombie until reaped)."""
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
+        return ""

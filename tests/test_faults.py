@@ -29,7 +29,7 @@ from kvarena.arena import FactArena
 from memory.fact_store import FactStore
 from memory.records import NewFact, Turn
 from memory.kv_lifecycle import entry_tag
-from tests.fault_checks import NAMESPACE, check_nothing_lost_or_leaked, items, settled, shard_pid_and_arena
+from tests.fault_checks import NAMESPACE, check_nothing_lost_or_leaked, cmdline_of, items, settled, shard_pid_and_arena
 from tests.fault_load import Load, ask, post_json
 from memory.chat_query import ChatQuery
 
@@ -80,7 +80,7 @@ def service(fault_redis: LocalRedis, smollm2_dir):
 def _replica_process() -> psutil.Process:
     """This cluster's LLM replica: a child of the raylet that also runs the shard actor."""
     raylet = psutil.Process(psutil.Process(shard_pid_and_arena()[0]).ppid())
-    (replica,) = [p for p in raylet.children() if "ServeReplica:kvmem:LLMReplica_0" in " ".join(p.cmdline())]
+    (replica,) = [p for p in raylet.children() if "ServeReplica:kvmem:LLMReplica_0" in cmdline_of(p)]
     return replica
 
 
@@ -88,7 +88,7 @@ def _engine_core(replica: psutil.Process, wait_s: float = 240.0) -> psutil.Proce
     """The replica's engine-core process (waiting while an earlier test's restart is under way)."""
     deadline = time.monotonic() + wait_s
     while True:
-        cores = [p for p in replica.children() if "EngineCore" in " ".join(p.cmdline())]
+        cores = [p for p in replica.children() if "EngineCore" in cmdline_of(p)]
         if len(cores) == 1 or time.monotonic() > deadline:
             (core,) = cores
             return core

@@ -23,7 +23,7 @@ import pytest
 
 from devtools.local_redis import LocalRedis
 from tests.fault_load import Load, ask, post_json
-from tests.fault_checks import NAMESPACE, check_nothing_lost_or_leaked, items, settled, shard_pid_and_arena
+from tests.fault_checks import NAMESPACE, check_nothing_lost_or_leaked, cmdline_of, items, settled, shard_pid_and_arena
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def _replicas(wait_s: float = 240.0) -> list[psutil.Process]:
     deadline = time.monotonic() + wait_s
     while True:
         raylet = psutil.Process(psutil.Process(shard_pid_and_arena()[0]).ppid())
-        found = [p for p in raylet.children() if "ServeReplica:kvmem:LLMReplica_0" in " ".join(p.cmdline())]
+        found = [p for p in raylet.children() if "ServeReplica:kvmem:LLMReplica_0" in cmdline_of(p)]
         states = serve.status().applications["kvmem"].deployments["LLMReplica_0"].replica_states
         running = sum(n for state, n in states.items() if getattr(state, "value", state) == "RUNNING")
         if len(found) == 2 and running == 2 or time.monotonic() > deadline:
@@ -70,7 +70,7 @@ def _replicas(wait_s: float = 240.0) -> list[psutil.Process]:
 
 
 def _engine_cores(replica: psutil.Process) -> list[psutil.Process]:
-    return [p for p in replica.children() if "EngineCore" in " ".join(p.cmdline())]
+    return [p for p in replica.children() if "EngineCore" in cmdline_of(p)]
 
 
 def _kill_one(url: str, name: str, victim: psutil.Process) -> Load:
