@@ -244,7 +244,8 @@ def test_redis_crash_under_load_loses_no_acknowledged_fact(service: str, fault_r
     with Load(service, [f"redis-{uuid.uuid4().hex[:6]}-{i}" for i in range(2)]) as load:
         time.sleep(2)
         fault_redis.kill()  # SIGKILL: only what reached the disk survives
-        time.sleep(1)
+        health = requests.get(f"{service}/health", timeout=30)  # Redis away: 503, saying when to ask again
+        assert health.status_code == 503 and health.headers.get("Retry-After") and "redis" in health.json()["status"], health.text
         fault_redis.start()
         time.sleep(4)
     acked = {fact_id for ids in load.acked.values() for fact_id in ids}
