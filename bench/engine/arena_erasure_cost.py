@@ -12,7 +12,6 @@ run the same command with PYTHONPATH at a checkout from before erasure for the b
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.kit.results import write_result
 from kvarena.arena import ArenaGeometry, FactArena
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if args.out is not None:
-        args.out.write_text(json.dumps({"dtype": args.dtype, "rows": rows}, indent=2) + "\n")
+        write_result(args.out, {"dtype": args.dtype, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -18,9 +18,6 @@ Times are medians over many requests on this machine's CPU; compare runs on one 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import shutil
 import tempfile
 import time
@@ -32,9 +29,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from memory.composition import StoredSegment, compose
-from kvarena.arena import ArenaGeometry, FactArena
+from bench.kit.results import table, write_result
 from connector.scheduler import KVMemoryScheduler
+from kvarena.arena import ArenaGeometry, FactArena
+from memory.composition import StoredSegment, compose
 
 POOL = 300  # facts in the arena
 FACT_TOKENS = (12, 30)  # LoCoMo observation facts are ~20 tokens
@@ -135,13 +133,9 @@ def main() -> None:
         arena.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{'k':>4} {'scheduler us':>13} {'worker hit us':>14} {'worker miss us':>15}")
-    for k, row in rows.items():
-        print(f"{k:>4} {row['scheduler_us']:>13} {row['worker_hit_us']:>14} {row['worker_miss_us']:>15}")
-    result = {"host_us_median": rows, "requests": args.requests, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(table([[k, r["scheduler_us"], r["worker_hit_us"], r["worker_miss_us"]] for k, r in rows.items()],
+                ["k", "scheduler us", "worker hit us", "worker miss us"], ".1f"))
+    write_result(args.out, {"host_us_median": rows, "requests": args.requests})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import subprocess
 import sys
 import tempfile
@@ -29,9 +28,10 @@ from typing import Any, Callable
 import numpy as np
 
 from bench.engine.connector_host_overhead import one_request  # duck-typed: runs on either tree's classes
+from bench.kit.results import REPO as HERE
+from bench.kit.results import table, write_result
 
 PACKAGES = ("connector", "kvarena", "memory", "bench")
-HERE = Path(__file__).resolve().parents[2]
 
 
 def load_tree(root: Path, shm: Path) -> tuple[Any, list[Any], Callable[..., Any]]:
@@ -67,7 +67,6 @@ def main() -> None:
     trees = {"against": load_tree(args.against.resolve(), shm), "this": load_tree(HERE, shm)}
     rng = np.random.default_rng(0)
     rows: dict[str, dict[str, float]] = {}
-    print(f"{'k':>4} {'against us':>11} {'this us':>9} {'this/against':>13}")
     for k in args.k:
         times: dict[str, list[float]] = {name: [] for name in trees}
         for _ in range(args.requests):
@@ -79,16 +78,14 @@ def main() -> None:
             assert same_op(ops["against"], ops["this"]), "the two trees planned different inject ops"
         against, this = (float(np.median(times[name]) * 1e6) for name in ("against", "this"))
         rows[str(k)] = {"against_us": round(against, 1), "this_us": round(this, 1), "ratio": round(this / against, 3)}
-        print(f"{k:>4} {against:>11.1f} {this:>9.1f} {this / against:>13.2f}")
+    print(table([[k, r["against_us"], r["this_us"], r["ratio"]] for k, r in rows.items()], ["k", "against us", "this us", "this/against"]))
     commit = lambda root: subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {
         "scheduler_us_median": rows, "requests_per_k": args.requests, "this": f"{commit(HERE)} (+ working tree)",
         "against": commit(args.against), "inject_ops_equal": True,
         "command": f"python -m bench.engine.connector_scheduler_ab --against <worktree of {commit(args.against)}>",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

