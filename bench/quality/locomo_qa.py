@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -39,21 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from tqdm import tqdm
 
-from bench.quality.locomo_scoring import (
-    CATEGORIES,
-    category_means,
-    evidence_ids,
-    evidence_recall,
-    percentile,
-    score_answer,
-    starts_like_list,
-)
+from bench.kit.results import RESULTS, percentiles, progress, write_result
+from bench.kit.stage import DEFAULT_LOCOMO
+from bench.quality.locomo_scoring import CATEGORIES, category_means, evidence_ids, evidence_recall, score_answer, starts_like_list
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_LOCOMO = Path(os.environ["KVMEM_LOCOMO"]) if os.environ.get("KVMEM_LOCOMO") else None  # else --locomo is required
-NO_LOCOMO = "LoCoMo data not given: set KVMEM_LOCOMO to its JSON (locomo10.json of snap-research/locomo, CC BY-NC 4.0)"
 MODES = ("kv", "prompt", "none", "full")
 HEADLINE = {"k": 10, "window": 5}
 RUN_KEY = ("k", "window", "neighbours", "embedder", "model", "conversations", "run_tag", "extract", "max_turns", "max_questions", "max_tokens")
@@ -155,7 +144,7 @@ def ingest(service: Service, conversations: list[Conversation], extract: bool, w
     with_facts: list[float] = []  # adds that carried (or extracted) at least one fact
     facts = 0
     started = time.perf_counter()
-    with tqdm(total=sum(len(c.turns) for c in conversations), desc="ingest", unit="turn") as bar:
+    with progress(total=sum(len(c.turns) for c in conversations), desc="ingest", unit="turn") as bar:
         for conv in conversations:
             existing = service.call("GET", "/v1/memories", params={"user_id": conv.user_id})["results"]
             if existing:
@@ -186,10 +175,9 @@ def ingest(service: Service, conversations: list[Conversation], extract: bool, w
                 bar.update(1)
     return {"adds": len(latencies), "facts": facts, "seconds": round(time.perf_counter() - started, 1),
             "facts_without_turn": sum(c.facts_without_turn for c in conversations),
-            "add_latency_ms": {"p50": _ms(percentile(latencies, 50)), "p90": _ms(percentile(latencies, 90)),
-                               "p99": _ms(percentile(latencies, 99))},
+            "add_latency_ms": percentiles(latencies, scale=1e3, digits=1),
             "adds_with_facts": len(with_facts),
-            "add_with_facts_latency_ms": {"p50": _ms(percentile(with_facts, 50)), "p90": _ms(percentile(with_facts, 90))}}
+            "add_with_facts_latency_ms": percentiles(with_facts, (50, 90), scale=1e3, digits=1)}
 
 
 def wait_for_encodes(service: Service, timeout_s: float, poll_s: float = 2.0, report_s: float = 10.0) -> dict[str, Any]:
@@ -234,8 +222,7 @@ def ask_all(service: Service, conversations: list[Conversation], mode: str, k: i
 
     out: list[dict[str, Any] | None] = [None] * len(jobs)
     label = mode if prefill_top_m is None else f"{mode}+m{prefill_top_m}"
-    with ThreadPoolExecutor(max_workers=concurrency) as pool, tqdm(total=len(jobs), desc=f"ask {label} k={k}",
-                                                                    unit="q") as bar:
+    with ThreadPoolExecutor(max_workers=concurrency) as pool, progress(total=len(jobs), desc=f"ask {label} k={k}", unit="q") as bar:
         futures = {pool.submit(one, conv, q): i for i, (conv, q) in enumerate(jobs)}
         for future in as_completed(futures):
             out[futures[future]] = future.result()
@@ -260,8 +247,7 @@ def summarize(questions: list[dict[str, Any]], answers: dict[str, list[dict[str,
                               for m, rows in answers.items() if m not in ("none", "full")}  # full: no retrieval
     out["ttft_ms"] = {}
     for m, rows in answers.items():
-        ttfts = [a["ttft_s"] for a in rows if a["ttft_s"] is not None]
-        out["ttft_ms"][m] = {"p50": _ms(percentile(ttfts, 50)), "p90": _ms(percentile(ttfts, 90)), "n": len(ttfts)}
+        out["ttft_ms"][m] = percentiles([a["ttft_s"] for a in rows if a["ttft_s"] is not None], (50, 90), 1e3, 1, n=True)
     out["errors"] = {m: sum(1 for a in rows if a["error"]) for m, rows in answers.items()}
     return out
 
@@ -273,10 +259,6 @@ def merge_run(doc: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     runs = [r for r in doc.get("runs", []) if {name: r["settings"].get(name) for name in RUN_KEY} != key] + [run]
     headline = [r for r in runs if all(r["settings"].get(n) == v for n, v in HEADLINE.items())] or runs
     return {**headline[-1], "runs": runs}
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)
 
 
 def _fmt(value: float | None) -> str:
@@ -351,8 +333,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per HTTP read")
     parser.add_argument("--encode-timeout", type=float, default=3600.0, help="seconds to wait for pending encodes")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "locomo_qa.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "results" / "locomo_qa.png")
+    parser.add_argument("--out", type=Path, default=RESULTS / "locomo_qa.json")
+    parser.add_argument("--plot", type=Path, default=RESULTS / "locomo_qa.png")
     parser.add_argument("--answers", type=Path, default=None, help="also write every answer as JSON lines here")
     parser.add_argument("--fresh", action="store_true", help="start --out anew instead of appending the run")
     parser.add_argument("--cleanup", action="store_true", help="delete the run's users' memories at the end")
@@ -386,9 +368,7 @@ def main() -> None:
                 for i, q in enumerate(questions):
                     fh.write(json.dumps({"k": k, "run_tag": args.run_tag, **q,
                                          **{m: answers[m][i] for m in answers}}) + "\n")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")  # after each k: a run cut short keeps what it has
-        print(f"wrote {args.out}")
+        doc = write_result(args.out, doc)  # after each k: a run cut short keeps what it has
     plot(doc, args.plot)
     if args.cleanup:
         for conv in conversations:

@@ -1,6 +1,6 @@
 """LoCoMo's answer scoring, reimplemented from the benchmark's own evaluation code, plus the
 small pure helpers bench/quality/locomo_qa.py reports with (evidence recall, list-shaped answers,
-percentiles, per-category means).
+per-category means).
 
 LoCoMo (Maharana et al., ACL 2024; snap-research/locomo, task_eval/evaluation.py) scores an
 answer by category:
@@ -116,17 +116,6 @@ def evidence_recall(evidence: Sequence[str], retrieved_turns: Iterable[str]) -> 
         return None
     covered = set(retrieved_turns)
     return sum(1 for dia in evidence if dia in covered) / len(evidence)
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100) with linear interpolation between ranks (numpy's default)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def category_means(scored: Iterable[tuple[int, float | None]]) -> dict[str, float | None]:

