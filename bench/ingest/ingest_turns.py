@@ -24,12 +24,13 @@ passed by path, `--locomo` or $KVMEM_LOCOMO, and never copied into the project.
 from __future__ import annotations
 
 import argparse
-import json
 import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.quality.locomo_qa import DEFAULT_LOCOMO, Service, ingest, load_conversations, wait_for_encodes
+from bench.kit.results import table, write_result
+from bench.kit.stage import DEFAULT_LOCOMO
+from bench.quality.locomo_qa import Service, ingest, load_conversations, wait_for_encodes
 
 
 def one_way(service: Service, args: argparse.Namespace, wait_for_kv: bool, max_turns: int | None) -> dict[str, Any]:
@@ -91,18 +92,13 @@ def main() -> None:
     if len(runs) == 2 and durable["per_fact_add_p50_ms"]:
         doc["wait_over_durable_fact_add_p50"] = round(runs[1]["per_fact_add_p50_ms"] / durable["per_fact_add_p50_ms"], 1)
 
-    print(f"{'add':<12} {'turns':>6} {'facts':>6} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
-          f"{'fact adds':>10} {'p50 ms':>8} {'p90 ms':>8} {'total s':>8} {'KV live after s':>16}")
-    for run in runs:
-        way = "wait_for_kv" if run["wait_for_kv"] else "durable"
-        print(f"{way:<12} {run['turns']:>6} {run['facts']:>6} {run['per_add_p50_ms']:>8} {run['per_add_p90_ms']:>8} "
-              f"{run['per_add_p99_ms']:>8} {run['adds_with_facts']:>10} {run['per_fact_add_p50_ms']:>8} "
-              f"{run['per_fact_add_p90_ms']:>8} {run['seconds']:>8} {run['kv_live_after_last_add_s']:>16}")
+    keys = ("turns", "facts", "per_add_p50_ms", "per_add_p90_ms", "per_add_p99_ms", "adds_with_facts", "per_fact_add_p50_ms",
+            "per_fact_add_p90_ms", "seconds", "kv_live_after_last_add_s")
+    print(table([["wait_for_kv" if r["wait_for_kv"] else "durable", *(r[k] for k in keys)] for r in runs],
+                ["add", "turns", "facts", "p50 ms", "p90 ms", "p99 ms", "fact adds", "p50 ms", "p90 ms", "total s", "KV live after s"], ".1f"))
     if "wait_over_durable_fact_add_p50" in doc:
         print(f"adds carrying facts, p50: waiting for the KV is {doc['wait_over_durable_fact_add_p50']}x the durable acknowledgement")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, doc)
 
 
 if __name__ == "__main__":

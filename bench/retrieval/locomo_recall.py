@@ -51,15 +51,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
-
-from memory.embedder import Embedder
+from bench.kit.results import RESULTS, percentiles, progress, write_result
+from bench.kit.stage import DEFAULT_LOCOMO
 from bench.retrieval.locomo_retrievers import evaluate_retrievers, halves, oracle_bounds, print_tables, search_latency, tune
 from bench.retrieval.locomo_second_stage import second_stage_alternatives
+from memory.embedder import Embedder
 from memory.index import ExactIndex
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_LOCOMO = Path(os.environ["KVMEM_LOCOMO"]) if os.environ.get("KVMEM_LOCOMO") else None  # else --locomo is required
 KS = (5, 10, 20, 50)
 _DIA = re.compile(r"D:?(\d+):(\d+)")
 
@@ -142,22 +140,21 @@ def load_conversations(path: Path) -> tuple[list[dict], dict[str, int]]:
 
 def embed_all(embedder: Embedder, texts: list[str], desc: str, batch: int = 128) -> np.ndarray:
     out = np.zeros((len(texts), embedder.dim), dtype=np.float32)
-    with tqdm(total=len(texts), desc=desc, unit="text") as bar:
+    with progress(total=len(texts), desc=desc, unit="text") as bar:
         for i in range(0, len(texts), batch):
             out[i : i + batch] = embedder.embed(texts[i : i + batch])
             bar.update(len(texts[i : i + batch]))
     return out
 
 
-def percentiles(ts: list[float]) -> dict[str, float]:
-    a = np.asarray(ts) * 1e3
-    return {"p50_ms": round(float(np.percentile(a, 50)), 4), "p95_ms": round(float(np.percentile(a, 95)), 4), "mean_ms": round(float(a.mean()), 4), "n": len(ts)}
+def latency_ms(ts: list[float]) -> dict[str, float]:
+    return {**percentiles(ts, (50, 95), 1e3, 4, "_ms"), "mean_ms": round(float(np.mean(ts)) * 1e3, 4), "n": len(ts)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO, required=DEFAULT_LOCOMO is None, help="locomo8.json / locomo10.json; default: $KVMEM_LOCOMO")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "locomo_recall.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "locomo_recall.json")
     ap.add_argument("--model", type=Path, default=None, help="sentence-transformers folder (default: packaged all-MiniLM-L6-v2)")
     ap.add_argument("--latency-facts", type=int, default=2000)
     ap.add_argument("--latency-queries", type=int, default=1000)
@@ -232,7 +229,7 @@ def main() -> None:
                 t = time.perf_counter()
                 index.search("latency-user", q, k)
                 ts.append(time.perf_counter() - t)
-            latency[f"threads{threads}_k{k}"] = percentiles(ts)
+            latency[f"threads{threads}_k{k}"] = latency_ms(ts)
     torch.set_num_threads(threads0)
     # Query embedding, for scale (one question at a time, the embedding model on the CPU).
     ts = []
@@ -242,7 +239,7 @@ def main() -> None:
         t = time.perf_counter()
         embedder.embed(q["text"])
         ts.append(time.perf_counter() - t)
-    latency["query_embedding_cpu"] = percentiles(ts)
+    latency["query_embedding_cpu"] = latency_ms(ts)
     model_name = "all-MiniLM-L6-v2" if args.model is None else embedder.model_path.name
 
     # ---- per retriever (memory.retrieval, the shard's code), per category, both halves
@@ -285,12 +282,10 @@ def main() -> None:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "cpus": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(),
             "load_average_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
     print(f"\n{len(convs)} conversations, {len(facts)} facts, {len(questions)} questions (category 1-4)")
     print("| k | evidence recall@k | hit@k |\n|---|---|---|")

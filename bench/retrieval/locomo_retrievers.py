@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
+from bench.kit.results import percentiles, progress
 
 from memory.fact_store import FactRecord
 from memory.index import ExactIndex
@@ -85,7 +85,7 @@ def recall_rows(
     offsets = np.cumsum([0] + [len(c["questions"]) for c in convs])
     rows = []
     todo = [(ci, qi) for ci in subset for qi in range(len(convs[ci]["questions"]))]
-    for ci, qi in tqdm(todo, desc=desc, unit="q", disable=desc is None, leave=False):
+    for ci, qi in progress(todo, desc=desc, unit="q", disable=desc is None, leave=False):
         conv, q = convs[ci], convs[ci]["questions"][qi]
         src = {f["id"]: f["src"] for f in conv["facts"]}
         hits = retriever.search(conv["id"], q["text"], q_vecs[offsets[ci] + qi], max(KS))
@@ -169,7 +169,7 @@ def tune(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray) -> list[d
         grid.append({"rerank": rerank})
     out = []
     first_half = range(len(convs) // 2)
-    for fields in tqdm(grid, desc="tuning on the first half", unit="setting"):
+    for fields in progress(grid, desc="tuning on the first half", unit="setting"):
         summary = summarise(recall_rows(convs, q_vecs, build(convs, fact_vecs, RetrievalSettings(**fields)), first_half))
         out.append({"settings": fields, "recall@10": summary["recall@10"], "multi_hop_recall@10": summary["by_category"]["1"]["recall@10"]})
     return out
@@ -232,8 +232,7 @@ def search_latency(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray,
 
 
 def _ms(ts: list[float]) -> dict[str, float]:
-    a = np.asarray(ts) * 1e3
-    return {"p50_ms": round(float(np.percentile(a, 50)), 4), "p95_ms": round(float(np.percentile(a, 95)), 4), "n": len(ts)}
+    return percentiles(ts, (50, 95), 1e3, 4, "_ms", n=True)
 
 
 def print_tables(results: dict[str, Any]) -> None:

@@ -1,46 +1,13 @@
-"""Helpers of bench/retrieval/cagra_h200.py: the synthetic data, exact ground truth, recall, timing,
-and the section recorder that writes the JSON (see bench/retrieval/cagra_h200.py for the definitions)."""
+"""The data of bench/retrieval/cagra_index.py: the synthetic facts and queries, exact ground truth
+and recall (cagra_index.py's docstring defines them)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import time
-import traceback
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class Recorder:
-    """Sections that record their error instead of aborting; JSON rewritten after each."""
-
-    def __init__(self, out: Path, meta: dict) -> None:
-        self.out = out
-        self.data: dict[str, Any] = {"meta": meta, "sections": {}}
-
-    @contextlib.contextmanager
-    def section(self, name: str):
-        rec: dict[str, Any] = self.data["sections"].setdefault(name, {})
-        t0 = time.perf_counter()
-        print(f"--- {name}", flush=True)
-        try:
-            yield rec
-        except Exception as exc:  # record and go on
-            rec["error"] = f"{type(exc).__name__}: {exc}"
-            rec["traceback"] = traceback.format_exc(limit=6)
-            print(f"[{name}] FAILED: {rec['error']}", flush=True)
-        rec["section_s"] = round(time.perf_counter() - t0, 3)
-        self.write()
-
-    def write(self) -> None:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.out.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +15,7 @@ def normalize(x: torch.Tensor) -> torch.Tensor:
 
 
 def make_data(args: argparse.Namespace) -> dict[str, Any]:
-    """Seeded Gaussian mixture (see bench/retrieval/cagra_h200.py); generated on the CPU, deterministic."""
+    """Seeded Gaussian mixture (see bench/retrieval/cagra_index.py); generated on the CPU, deterministic."""
     g = torch.Generator().manual_seed(args.seed)
     d = args.dim
     centres = normalize(torch.randn(args.clusters, d, generator=g))
@@ -104,30 +71,3 @@ def recall(approx: list[list[Any]], exact_ids: list[list[str]], k: int) -> float
         got = {h.fact_id for h in hits[:k]}
         vals.append(len(got & set(ref[:k])) / max(1, min(k, len(ref))))
     return float(np.mean(vals)) if vals else float("nan")
-
-
-def pct(ts: list[float]) -> dict[str, float]:
-    a = np.asarray(ts) * 1e3
-    return {"p50_ms": round(float(np.percentile(a, 50)), 4), "p95_ms": round(float(np.percentile(a, 95)), 4), "n": len(ts)}
-
-
-def timeit(fn, calls: list[tuple], warmup: int) -> dict[str, float]:
-    for c in calls[:warmup]:
-        fn(*c)
-    ts = []
-    for c in calls:
-        t0 = time.perf_counter()
-        fn(*c)
-        ts.append(time.perf_counter() - t0)
-    return pct(ts)
-
-
-def print_table(sections: dict[str, dict]) -> None:
-    print("\n| section | metric | value |\n|---|---|---|")
-    for name, rec in sections.items():
-        for key, val in rec.items():
-            if key in ("traceback",):
-                continue
-            if isinstance(val, dict):
-                val = ", ".join(f"{a}={b}" for a, b in val.items())
-            print(f"| {name} | {key} | {val} |")

@@ -1,11 +1,12 @@
-"""CAGRA (cuVS) vector index on one GPU: build, recall@k against exact search, latency,
+"""CAGRA (cuVS) vector index on a GPU: build, recall@k against exact search, latency,
 extend and delete, over 100k synthetic facts of 50 users.
 
-    python3 -m bench.retrieval.cagra_h200 --out bench/results/cagra_h200.json
+    python3 -m bench.retrieval.cagra_index --out bench/results/cagra_h200.json
 
 Needs torch, numpy, pydantic and cuVS (cuvs-cu13 / cuvs-cu12) only: no sentence-transformers, vLLM
 or data files. Of the repository it imports only the `memory.index` package (memory/__init__.py
-is empty) and its own helpers, bench/retrieval/cagra_h200_data.py.
+is empty), the bench kit and its data, bench/retrieval/cagra_data.py. The card is named inside the
+result (`card`).
 
 Data (seeded, synthetic, not uniform): a Gaussian mixture on the unit sphere in 384-d
 (MiniLM's width). `--clusters` centres are drawn uniformly on the sphere; a vector is
@@ -43,12 +44,14 @@ import numpy as np
 import torch
 
 import memory.index as vi
-from bench.retrieval.cagra_h200_data import ROOT, Recorder, exact_topk, make_data, print_table, recall, timeit
+from bench.kit.results import RESULTS, Sections
+from bench.kit.results import timed as timeit
+from bench.retrieval.cagra_data import exact_topk, make_data, recall
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cagra_h200.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "cagra_h200.json")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--n-users", type=int, default=50)
     ap.add_argument("--per-user", type=int, default=2000)
@@ -69,7 +72,7 @@ def main() -> None:
 
     device = torch.device(args.device if (args.device != "cuda" or torch.cuda.is_available()) else "cpu")
     meta: dict[str, Any] = {
-        "command": " ".join(["python3 -m bench.retrieval.cagra_h200"] + sys.argv[1:]),
+        "command": " ".join(["python3 -m bench.retrieval.cagra_index"] + sys.argv[1:]),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -83,7 +86,7 @@ def main() -> None:
         meta["cuvs"] = getattr(cuvs, "__version__", "?")
     except Exception as exc:
         meta["cuvs"] = f"not importable: {type(exc).__name__}: {exc}"
-    rec = Recorder(args.out, meta)
+    rec = Sections(args.out, meta)
     k = args.k
     itopks = [int(x) for x in args.itopk.split(",") if x]
     S: dict[str, Any] = {}  # shared state between sections
@@ -285,7 +288,7 @@ def main() -> None:
 
     rec.data["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     rec.write()
-    print_table(rec.data["sections"])
+    print(rec.table())
     print(f"wrote {args.out}")
 
 
