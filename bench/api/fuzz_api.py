@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.kit.results import write_result
-from bench.kit.service import cpu_dtype, cpu_service
+from bench.kit.service import config_args, cpu_dtype, cpu_service
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -52,7 +52,6 @@ FUZZ_ADMIN_KEY = "kvm-fuzz-admin-key-for-a-loopback-test-service"  # the fuzzed 
 AUTH_HEADER = f"Bearer {FUZZ_ADMIN_KEY}"
 FUZZ_USER = "fuzz-tenant"  # the user the fuzzing key is bound to
 USER_FIELDS = ("user_id", "user")  # request fields (query or JSON body) that name the user acted for
-CONFIG_YAML = Path(__file__).resolve().parents[2] / "config.yaml"
 # The fuzzed user's rates and caps, raised over config.yaml's (a chat every 5 s, one at a time) so that
 # the >= 10,000 requests at --concurrency 4 exercise the routes rather than the 429 (still documented).
 FUZZ_ADMISSION = {"per_user": {kind: {"per_s": 200, "burst": 400} for kind in ("chats", "writes", "reads")},
@@ -79,14 +78,11 @@ def fuzz_service_overrides() -> dict[str, Any]:
     }
 
 
-def production_service_overrides(config: Path = CONFIG_YAML) -> dict[str, Any]:
+def production_service_overrides(config: str = "config.yaml") -> dict[str, Any]:
     """ServiceSettings overrides with the limits users run: the `args` of config.yaml's app (its
     context, output and arena sizes, memory settings), auth on as in fuzz_service_overrides. The
     harness keeps its own Redis, model path, arena folder and key prefix."""
-    import yaml
-
-    (app,) = yaml.safe_load(config.read_text())["applications"]
-    args = {key: value for key, value in app["args"].items() if key not in ("namespace", "redis_url")}
+    args = {key: value for key, value in config_args(config).items() if key not in ("namespace", "redis_url")}
     args["auth"] = {**args.get("auth", {}), **fuzz_service_overrides()["auth"]}
     args["admission"] = {**args.get("admission", {}), **FUZZ_ADMISSION}  # the routes fuzzed, not their 429 (tenants_flood --hostile)
     return args

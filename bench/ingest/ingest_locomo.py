@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from actors.shard_client import ShardClient
-from bench.kit.results import progress, table, write_result
+from bench.kit.results import progress as progress_bar
+from bench.kit.results import table, write_result
 from bench.kit.stage import DEFAULT_LOCOMO
 from memory.records import NewFact, Turn
 from serve_app.replica.encode_driver import EncodeDriver
@@ -75,7 +76,7 @@ async def ingest(
     started = time.perf_counter()
     await shard.add_turns(user_id, turns)
     acked: list[str] = []
-    bar = progress(total=len(facts), desc=f"ingest {user_id}", unit="fact", disable=not progress)
+    bar = progress_bar(total=len(facts), desc=f"ingest {user_id}", unit="fact", disable=not progress)
     for i in range(0, len(facts), batch):
         results = await shard.add_facts(user_id, facts[i : i + batch])
         acked += [r["id"] for r in results]

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.kit.results import REPO
 from devtools.local_redis import free_loopback_port
 
 
@@ -56,10 +57,19 @@ def small_service_args(redis_url: str, model_dir: Path, namespace: str, arena_di
     return merged(args, overrides)
 
 
+def config_args(config: str = "config.yaml") -> dict[str, Any]:
+    """The `args` of a Serve config's application (the settings `serve run` gives the service)."""
+    import yaml
+
+    (app,) = yaml.safe_load((REPO / config).read_text())["applications"]
+    return app["args"]
+
+
 @contextmanager
-def running_service(redis_url: str, model_dir: Path, namespace: str, metrics: bool = False, num_cpus: int = 2,
-                    **overrides: Any) -> Iterator[str]:
-    """The app served on a free loopback port; yields its base URL, shuts Ray down after."""
+def serve_in_process(settings: dict[str, Any], num_cpus: int = 2, metrics: bool = False,
+                     http_options: dict[str, Any] | None = None) -> Iterator[str]:
+    """Ray, Serve and the app with these ServiceSettings args in this process, on a free loopback
+    port; yields its base URL, shuts Ray down after."""
     import ray
     from ray import serve
 
@@ -67,7 +77,6 @@ def running_service(redis_url: str, model_dir: Path, namespace: str, metrics: bo
     from serve_app.ingress.proxy_guard import CALLBACK, CALLBACK_VARIABLE
 
     port = free_loopback_port()
-    arena_dir = tempfile.mkdtemp(prefix=f"kvmem-{namespace}-", dir="/dev/shm")
     os.environ.setdefault(CALLBACK_VARIABLE, CALLBACK)  # Serve's proxy loads the connection bounds, as scripts/serve.sh has it
     init: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": False, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1"}}}
     if metrics:
@@ -76,12 +85,22 @@ def running_service(redis_url: str, model_dir: Path, namespace: str, metrics: bo
         os.environ["KVMEM_TEST_METRICS_URL"] = f"http://127.0.0.1:{metrics_port}/metrics"
     ray.init(**init)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port, "keep_alive_timeout_s": 15})
-        serve.run(build_app(small_service_args(redis_url, model_dir, namespace, arena_dir, **overrides)), name="kvmem", route_prefix="/")
+        serve.start(http_options={"keep_alive_timeout_s": 15, **(http_options or {}), "host": "127.0.0.1", "port": port})
+        serve.run(build_app(settings), name="kvmem", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@contextmanager
+def running_service(redis_url: str, model_dir: Path, namespace: str, metrics: bool = False, **overrides: Any) -> Iterator[str]:
+    """The app with small_service_args served on a free loopback port; yields its base URL."""
+    arena_dir = tempfile.mkdtemp(prefix=f"kvmem-{namespace}-", dir="/dev/shm")
+    try:
+        with serve_in_process(small_service_args(redis_url, model_dir, namespace, arena_dir, **overrides), metrics=metrics) as url:
+            yield url
+    finally:
         shutil.rmtree(arena_dir, ignore_errors=True)
 
 

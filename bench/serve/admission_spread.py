@@ -25,7 +25,8 @@ from typing import Any
 
 import httpx
 
-from bench.serve.tenants_flood import ROOT, running_service
+from bench.kit.results import RESULTS, write_result
+from bench.serve.tenants_flood import running_service
 
 
 def hammer(url: str, key: str, seconds: float, threads: int) -> tuple[Counter[str], list[float]]:
@@ -59,7 +60,7 @@ def main() -> None:
     parser.add_argument("--ingress-replicas", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--threads", type=int, default=8, help="clients of the key at once: the limit, not the client, sets the pace")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "admission_spread_cpu.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "admission_spread_cpu.json")
     args = parser.parse_args()
     service = argparse.Namespace(timeout_s=120.0, unfair=False, arena_pages=None)
     with running_service(service, hostile=True, ingress_replicas=args.ingress_replicas) as (client, keys, settings):
@@ -81,8 +82,7 @@ def main() -> None:
         "steady_admitted_per_s": round(steady_rate, 2), "steady_over_rate": round(steady_rate / reads["per_s"], 2),
         "without_a_share_up_to": one_process * args.ingress_replicas, "load_average_1m": load,
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=1))
+    print(json.dumps(write_result(args.out, result), indent=1))
 
 
 if __name__ == "__main__":

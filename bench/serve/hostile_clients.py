@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
-import statistics
 import threading
 import time
 from collections import Counter
@@ -23,6 +22,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+
+from bench.kit.results import percentiles
 
 QUESTION = "What does Bea keep in the blue tin?"
 
@@ -32,11 +33,7 @@ def chat_body(user: str, max_tokens: int) -> dict[str, Any]:
 
 
 def quantiles(values: list[float]) -> dict[str, float | int | None]:
-    if not values:
-        return {"n": 0, "p50_s": None, "p95_s": None, "max_s": None}
-    ordered = sorted(values)
-    return {"n": len(values), "p50_s": round(statistics.median(ordered), 3),
-            "p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3), "max_s": round(ordered[-1], 3)}
+    return {"n": len(values), **percentiles(values, (50, 95), unit="_s"), "max_s": round(max(values), 3) if values else None}
 
 
 # ------------------------------------------------------------------------------ the flood

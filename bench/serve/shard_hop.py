@@ -18,13 +18,12 @@ Absolute times are this machine's; the split between Ray's floor and the plan is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
-import platform
-import statistics
 import time
 from pathlib import Path
+
+from bench.kit.results import median, table, timed, write_result
 
 FACT = "Caroline went to the LGBTQ support group on 7 May 2023 and found it powerful."
 
@@ -38,16 +37,6 @@ def make_plan(k: int):
     params = {"kvmem": {"inject": [[i, 1, 22 * i] for i in range(k + 1)]}}
     return ChatPlan(prompt_token_ids=list(range(tokens)), mode="kv", kv_transfer_params=params, cache_salt="s" * 40,
                     facts=hits, injected_tokens=tokens - 40, timings={"shard_embed": 1.0, "shard_search": 1.0})
-
-
-def median_us(fn, n: int = 500) -> float:
-    fn()
-    samples = []
-    for _ in range(n):
-        started = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - started)
-    return round(statistics.median(samples) * 1e6, 1)
 
 
 def main() -> None:
@@ -97,7 +86,7 @@ def main() -> None:
                     started = time.perf_counter()
                     await make_ref()
                     samples.append(time.perf_counter() - started)
-                return round(statistics.median(samples) * 1e3, 3)
+                return median(samples, 1e3)
 
             out = {"noop": await timed(lambda: shard.noop.remote())}
             for k in ks:
@@ -126,17 +115,13 @@ def main() -> None:
         hop = ray.get(Replica.remote().round_trips_ms.remote(shard, args.k, args.calls))
     finally:
         ray.shutdown()
-    pickling = {f"plan_k{k}": median_us(lambda k=k: pickle.loads(pickle.dumps(plans[k]))) for k in args.k}
+    pickling = {f"plan_k{k}": round(timed(lambda k=k: pickle.loads(pickle.dumps(plans[k])), [()] * 500, 1, (50,))["p50_ms"] * 1e3, 1)
+                for k in args.k}
     sizes = {f"plan_k{k}": len(pickle.dumps(plans[k])) for k in args.k}
-    print(f"{'call':<10} {'round trip ms':>14} {'pickle+unpickle us':>19} {'bytes':>7}")
-    for name, ms in hop.items():
-        print(f"{name:<10} {ms:>14} {pickling.get(name, '-')!s:>19} {sizes.get(name, '-')!s:>7}")
-    result = {"round_trip_ms_median": hop, "pickle_unpickle_us_median": pickling, "pickled_bytes": sizes,
-              "calls": args.calls, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-              "ray": ray.__version__, "command": "python -m bench.serve.shard_hop"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(table([[name, ms, pickling.get(name), sizes.get(name)] for name, ms in hop.items()],
+                ["call", "round trip ms", "pickle+unpickle us", "bytes"], ".3f"))
+    write_result(args.out, {"round_trip_ms_median": hop, "pickle_unpickle_us_median": pickling, "pickled_bytes": sizes,
+                            "calls": args.calls, "ray": ray.__version__, "command": "python -m bench.serve.shard_hop"})
 
 
 if __name__ == "__main__":

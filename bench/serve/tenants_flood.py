@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import tempfile
 import threading
 import time
@@ -54,10 +53,12 @@ from typing import Any
 import httpx
 import yaml
 
-from devtools.local_redis import LocalRedis, free_loopback_port
+from bench.kit.results import REPO, RESULTS, write_result
+from bench.kit.results import median as _median
+from bench.kit.service import config_args, serve_in_process
+from devtools.local_redis import LocalRedis
 from devtools.offline_models import prepare_smollm2
 
-ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = f"kvm-bench-admin-{uuid.uuid4().hex}"
 UNFAIR = {"max_pending_encodes_per_user": 0, "arena_floor_entries_per_user": 0, "encode_share_while_chatting": 1.0,
           "encode_batch_while_chatting": 32}  # everything memory.fairness and the encoder's yielding do, off
@@ -67,8 +68,7 @@ QUESTION = "What does Bea keep in the blue tin?"
 def service_args(redis_url: str, arena_dir: str, arena_pages: int | None, unfair: bool, admission: bool = False) -> dict[str, Any]:
     """config.yaml's application args, with the bench's Redis, arena, keys and fairness settings;
     config.yaml's admission only when `admission` (the fairness runs measure the shard alone)."""
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    args = config["applications"][0]["args"]
+    args = config_args()
     namespace = f"tenants{uuid.uuid4().hex[:6]}"
     args.update(redis_url=redis_url, namespace=namespace, llm_replica_num_cpus=0,
                 auth={"mode": "keys", "admin_key": ADMIN_KEY})
@@ -150,8 +150,8 @@ def wait_for_no_pending(client: httpx.Client, within_s: float) -> float | None:
     return None
 
 
-def p50(values: list[float]) -> float:
-    return round(statistics.median(values), 3)
+def p50(values: list[float]) -> float | None:
+    return _median(values)
 
 
 @contextmanager
@@ -159,36 +159,22 @@ def running_service(
     args: argparse.Namespace, hostile: bool, **changes: Any
 ) -> Iterator[tuple[httpx.Client, dict[str, str], dict[str, Any]]]:
     """The service (module docstring; `changes` to its args), an HTTP client on it, the two users' keys and the settings."""
-    import ray
-    from ray import serve
-
-    from serve_app.app import build_app
-    from serve_app.ingress.proxy_guard import CALLBACK, CALLBACK_VARIABLE
-
     workdir = Path(tempfile.mkdtemp(prefix="kvmem-tenants-"))
     arena_dir = tempfile.mkdtemp(prefix="kvmem-tenants-", dir="/dev/shm")
     redis = LocalRedis(workdir / "redis").start()
-    port = free_loopback_port()
     settings = service_args(redis.url, arena_dir, None if hostile else args.arena_pages, args.unfair, admission=hostile) | changes
-    os.environ.setdefault(CALLBACK_VARIABLE, CALLBACK)  # as scripts/serve.sh runs it
-    http_options = yaml.safe_load((ROOT / "config.yaml").read_text())["http_options"]
+    http_options = yaml.safe_load((REPO / "config.yaml").read_text())["http_options"]
     try:
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
-        serve.start(http_options={**http_options, "host": "127.0.0.1", "port": port})
         print("starting the service (config.yaml, auth.mode keys) ...", flush=True)
-        started = time.perf_counter()
-        serve.run(build_app(settings), name="kvmem", route_prefix="/")
-        print(f"service up in {time.perf_counter() - started:.0f} s", flush=True)
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=args.timeout_s)
-        keys = {}
-        for user in ("ann", "bea"):
-            made = client.post("/v1/admin/keys", json={"users": [user], "label": f"tenants bench {user}"}, headers=bearer(ADMIN_KEY))
-            made.raise_for_status()
-            keys[user] = made.json()["key"]
-        yield client, keys, settings
+        with serve_in_process(settings, http_options=http_options) as url:
+            client = httpx.Client(base_url=url, timeout=args.timeout_s)
+            keys = {}
+            for user in ("ann", "bea"):
+                made = client.post("/v1/admin/keys", json={"users": [user], "label": f"tenants bench {user}"}, headers=bearer(ADMIN_KEY))
+                made.raise_for_status()
+                keys[user] = made.json()["key"]
+            yield client, keys, settings
     finally:
-        serve.shutdown()
-        ray.shutdown()
         redis.stop()
         shutil.rmtree(arena_dir, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -354,7 +340,7 @@ def main() -> None:
     parser.add_argument("--alone-s", type=float, default=30.0, help="--hostile, --stalled: seconds B chats alone, before and after")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    results = ROOT / "bench" / "results"
+    results = RESULTS
     if args.hostile or args.stalled:
         args.flood_s = 60.0 if args.flood_s is None else args.flood_s
         result = run_hostile(args)
@@ -365,9 +351,8 @@ def main() -> None:
         result = run(args)
         out = args.out or results / ("tenants_cpu_unfair.json" if args.unfair else "tenants_cpu.json")
         printed = table(result)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(printed)
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
