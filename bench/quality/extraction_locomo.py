@@ -65,7 +65,7 @@ TURN_THRESHOLD = 0.405  # the second judge, defined after the first run: turn_th
 
 def load_turns(path: Path, sessions: int) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
     """The turns of sessions 1..sessions of every conversation, each with its observations."""
-    from bench.retrieval.locomo_recall import parse_dia_ids
+    from bench.quality.locomo_scoring import evidence_ids
 
     turns: list[dict[str, Any]] = []
     all_obs: dict[str, list[str]] = {}  # conversation -> every observation text (threshold rule)
@@ -75,7 +75,7 @@ def load_turns(path: Path, sessions: int) -> tuple[list[dict[str, Any]], dict[st
             for items in (by_speaker.values() if isinstance(by_speaker, dict) else []):
                 for item in items:
                     if isinstance(item, (list, tuple)) and len(item) == 2:
-                        for dia in parse_dia_ids(item[1]):
+                        for dia in evidence_ids(item[1]):
                             cited.setdefault(dia, []).append(str(item[0]))
                         all_obs.setdefault(conv["sample_id"], []).append(str(item[0]))
         talk = conv["conversation"]

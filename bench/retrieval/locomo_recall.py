@@ -51,25 +51,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench.kit.results import RESULTS, percentiles, progress, write_result
+from bench.kit.results import RESULTS, percentiles, progress, table, write_result
 from bench.kit.stage import DEFAULT_LOCOMO
+from bench.quality.locomo_scoring import evidence_ids
 from bench.retrieval.locomo_retrievers import evaluate_retrievers, halves, oracle_bounds, print_tables, search_latency, tune
 from bench.retrieval.locomo_second_stage import second_stage_alternatives
 from memory.embedder import Embedder
 from memory.index import ExactIndex
 
 KS = (5, 10, 20, 50)
-_DIA = re.compile(r"D:?(\d+):(\d+)")
-
-
-def parse_dia_ids(raw: Any) -> list[str]:
-    """'D1:3', ['D1:3', 'D2:4'], 'D26:14, D26:34', 'D8:6; D9:17', 'D:11:26' -> canonical ids."""
-    items = raw if isinstance(raw, list) else [raw]
-    out: list[str] = []
-    for item in items:
-        for m in _DIA.finditer(str(item)):
-            out.append(f"D{int(m.group(1))}:{int(m.group(2))}")
-    return out
 
 
 def load_conversations(path: Path) -> tuple[list[dict], dict[str, int]]:
@@ -99,9 +89,9 @@ def load_conversations(path: Path) -> tuple[list[dict], dict[str, int]]:
                     text, raw = item
                     if isinstance(raw, list):
                         quirks["fact_source_list"] += 1
-                    elif isinstance(raw, str) and len(parse_dia_ids(raw)) > 1:
+                    elif isinstance(raw, str) and len(evidence_ids(raw)) > 1:
                         quirks["fact_source_several_ids_in_one_string"] += 1
-                    src = [s for s in parse_dia_ids(raw) if s in turns]
+                    src = [s for s in evidence_ids(raw) if s in turns]
                     if not src:
                         quirks["fact_without_valid_source"] += 1
                     facts.append({
@@ -117,7 +107,7 @@ def load_conversations(path: Path) -> tuple[list[dict], dict[str, int]]:
                 continue
             evidence: set[str] = set()
             for raw in qa.get("evidence", []):
-                ids = parse_dia_ids(raw)
+                ids = evidence_ids(raw)
                 if not ids:
                     quirks["evidence_entry_unparseable"] += 1
                     continue
@@ -288,19 +278,13 @@ def main() -> None:
     write_result(args.out, result)
 
     print(f"\n{len(convs)} conversations, {len(facts)} facts, {len(questions)} questions (category 1-4)")
-    print("| k | evidence recall@k | hit@k |\n|---|---|---|")
-    for k in KS:
-        print(f"| {k} | {recall[f'@{k}']['recall']:.3f} | {recall[f'@{k}']['hit']:.3f} |")
-    print(f"| all facts (ceiling) | {result['ceiling_recall']:.3f} | |")
-    print("\n| category | questions | " + " | ".join(f"recall@{k}" for k in KS) + " |\n|---|---|" + "---|" * len(KS))
-    for cat, v in by_category.items():
-        print(f"| {cat} {result['category_names'][cat]} | {v['questions']} | " + " | ".join(f"{v[f'recall@{k}']:.3f}" for k in KS) + " |")
+    rows = [[k, recall[f"@{k}"]["recall"], recall[f"@{k}"]["hit"]] for k in KS] + [["all facts (ceiling)", result["ceiling_recall"], None]]
+    print(table(rows, ["k", "evidence recall@k", "hit@k"], ".3f"))
+    rows = [[f"{cat} {result['category_names'][cat]}", v["questions"], *(v[f"recall@{k}"] for k in KS)] for cat, v in by_category.items()]
+    print(table(rows, ["category", "questions", *(f"recall@{k}" for k in KS)], ".3f"))
     print(f"\nexact CPU search, {latency['user_facts']}-fact user ({latency['index_facts_total']} facts in the index), {len(queries)} queries:")
-    print("| torch threads | k | p50 ms | p95 ms |\n|---|---|---|---|")
-    for threads in (1, 2):
-        for k in (10, 50):
-            v = latency[f"threads{threads}_k{k}"]
-            print(f"| {threads} | {k} | {v['p50_ms']:.3f} | {v['p95_ms']:.3f} |")
+    rows = [[t, k, latency[f"threads{t}_k{k}"]["p50_ms"], latency[f"threads{t}_k{k}"]["p95_ms"]] for t in (1, 2) for k in (10, 50)]
+    print(table(rows, ["torch threads", "k", "p50 ms", "p95 ms"], ".3f"))
     v = latency["query_embedding_cpu"]
     print(f"(query embedding, {model_name} on CPU: p50 {v['p50_ms']:.1f} ms)")
     print_tables(retrievers)
@@ -320,7 +304,6 @@ def main() -> None:
         for row in sorted(tuning, key=lambda r: -r["recall@10"])[:10]:
             print(f"  {row['recall@10']:.3f} (multi-hop {row['multi_hop_recall@10']:.3f}) {row['settings']}")
     print(f"data quirks: {quirks}")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
