@@ -3,14 +3,21 @@
 `running_service`: Ray, Ray Serve and the app in this process with small CPU settings, the way
 `serve run` builds it (serve_app.app.build_app) with only what a run needs changed;
 `cpu_service`: the same over a local Redis and the staged SmolLM2, what the CPU benches start.
-The GPU service (`serve run config.gpu.yaml` in a process of its own) is `ServeRun`.
+`ServeRun`: a local Redis and `serve run config.gpu.yaml` (or config.yaml) in a process of its
+own, as the GPU benches start the service; `left_running`: one an earlier call left up.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -120,3 +127,147 @@ def cpu_dtype() -> str:
     from serve_app.replica.engine import cpu_has_native_bf16
 
     return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def llama8b_dummy_overrides() -> dict[str, str]:
+    """The Llama-3.1-8B architecture with random weights and SmolLM2's vocabulary (the model folder
+    bench.kit.stage.prepare_serve_stage wrote)."""
+    from bench.kit.stage import STAGE
+
+    model = Path("/tmp/kvmem-llama8b")
+    shutil.copytree(STAGE / "model", model, dirs_exist_ok=True)
+    return {"KVMEM_ENGINE__MODEL": str(model), "KVMEM_ENGINE__LOAD_FORMAT": "dummy", "KVMEM_SERVED_MODEL_NAME": "llama-3.1-8b-shape-dummy"}
+
+
+class ServeRun:
+    """A local Redis and `serve run CONFIG` in a process of its own (as an operator starts the
+    service), with KVMEM_* `overrides` (default: the Llama-3.1-8B shape with dummy weights),
+    `applications` added to the config, and with `fresh` a free port and fresh Redis and arena
+    folders, removed at stop."""
+
+    def __init__(self, out: Path, *, config: str = "config.gpu.yaml", overrides: dict[str, str] | None = None,
+                 applications: list[dict[str, Any]] | None = None, fresh: bool = False, log_name: str = "serve.log",
+                 redis_dir: Path = Path("/tmp/kvmem-bench-redis")) -> None:
+        self.out, self.config_name, self.log_name, self.fresh = out, config, log_name, fresh
+        self.overrides = llama8b_dummy_overrides() if overrides is None else dict(overrides)
+        self.applications = applications or []
+        self.port = free_loopback_port() if fresh else 8000
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_key = "kvm-bench-" + secrets.token_hex(16)
+        # a fresh folder is a fresh memory (a used one re-encodes its users on start)
+        self.redis_dir = Path(tempfile.mkdtemp(prefix="kvmem-bench-redis-")) if fresh else redis_dir
+        self.arena_dir = Path(tempfile.mkdtemp(prefix="kvmem-bench-", dir="/dev/shm")) if fresh else None
+        if self.arena_dir is not None:
+            self.overrides["KVMEM_MEMORY__ARENA_DIR"] = str(self.arena_dir)
+        self.process: subprocess.Popen | None = None
+        self.redis: Any = None
+
+    def config(self) -> Path:
+        import yaml
+
+        doc = yaml.safe_load((REPO / self.config_name).read_text())
+        doc["applications"] += self.applications
+        doc.setdefault("http_options", {})["port"] = self.port
+        path = self.out / f"serve-{Path(self.config_name).stem}-{self.port}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path
+
+    def routing(self) -> str:
+        """The topology the config runs (KVMEM_ROUTING overrides it, as for the service)."""
+        return os.environ.get("KVMEM_ROUTING") or config_args(self.config_name).get("routing", "router")
+
+    def environment(self) -> dict[str, str]:
+        from devtools.local_redis import LocalRedis
+        from serve_app.ingress.proxy_guard import CALLBACK
+
+        self.redis = LocalRedis(self.redis_dir, own_session=True).start()
+        site = Path("/tmp/site")
+        env = dict(os.environ)
+        env.update(
+            REDIS_URL=self.redis.url, RAY_AUTH_MODE="token", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_USE_FLASHINFER_SAMPLER="0",
+            KVMEM_AUTH__ADMIN_KEY=self.admin_key,
+            KVMEM_MEMORY__INDEX__CAGRA_MIN_VECTORS="256",  # a graph over the bench's few thousand facts
+            PYTHONPATH=f"{site}:{REPO}",
+            # Serve's proxy loads the connection bounds and the 503 for a request whose replica died, as
+            # scripts/serve.sh (make serve, make serve-gpu) and the KubeRay manifests set it
+            RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=CALLBACK,
+            **self.overrides,
+        )  # fmt: skip
+        from bench.kit.stage import CUVS_LIBS
+
+        libs = [str(site / lib) for lib in CUVS_LIBS if (site / lib).is_dir()]
+        if libs:  # cuVS's libraries; a staged nvJitLink (cuVS >= 26.8 needs >= 13.3) goes first
+            env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")])
+            jitlink = site / "nvidia" / "cu13" / "lib" / "libnvJitLink.so.13"
+            if jitlink.exists():
+                env["LD_PRELOAD"] = str(jitlink)
+        return env
+
+    def launch(self) -> subprocess.Popen:
+        """`serve run` started, not waited for. Its own session: with --keep-running it outlives this
+        call. SIGINT (stop()) must reach it as Ctrl-C does: a shell's background job starts with it
+        ignored, and the child would inherit that (then stop() could only kill, leaving orphans)."""
+        config, env = self.config(), self.environment()
+        command = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)]
+        self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=open(self.out / self.log_name, "w"), stderr=subprocess.STDOUT,
+                                        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        return self.process
+
+    def start(self, timeout_s: float) -> float:
+        """Starts it and waits until /health says ok; returns the seconds that took."""
+        import httpx
+
+        from bench.kit.results import tail
+
+        started, last = time.monotonic(), ""
+        process = self.launch()
+        while time.monotonic() - started < timeout_s:
+            if process.poll() is not None:
+                raise RuntimeError(f"serve run exited ({process.returncode}); see {self.log_name}:\n{tail(self.out / self.log_name)}")
+            try:
+                response = httpx.get(f"{self.url}/health", timeout=5)
+                if response.status_code == 200:
+                    return round(time.monotonic() - started, 1)
+                last = response.text[:200]
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            time.sleep(2)
+        raise TimeoutError(f"not healthy after {timeout_s:.0f} s ({last}); {self.log_name}:\n{tail(self.out / self.log_name)}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        if self.redis is not None:
+            self.redis.stop()
+        if self.fresh:
+            shutil.rmtree(self.redis_dir, ignore_errors=True)
+            shutil.rmtree(self.arena_dir or "/nonexistent", ignore_errors=True)
+
+    def handle(self, startup_s: float | None) -> dict[str, Any]:
+        """What a later call needs to measure this service (bench.kit.service.STATE)."""
+        return {"url": self.url, "admin_key": self.admin_key, "startup_s": startup_s, "root": str(REPO),
+                "serve_pid": self.process.pid if self.process else None, "redis_pid": self.redis.process.pid if self.redis else None,
+                "arena_dir": str(self.arena_dir) if self.arena_dir else None}
+
+
+STATE = Path("/tmp/kvmem-serve-bench.json")  # the handle of a service a call left running (--keep-running)
+
+
+def left_running(this_checkout: bool = False) -> dict[str, Any] | None:
+    """The handle of the service an earlier call left running (STATE), when it still answers /health;
+    with `this_checkout`, only one started from this checkout."""
+    import httpx
+
+    if not STATE.exists():
+        return None
+    state = json.loads(STATE.read_text())
+    if this_checkout and state.get("root") != str(REPO):
+        return None
+    try:
+        return state if httpx.get(f"{state['url']}/health", timeout=5).status_code == 200 else None
+    except httpx.HTTPError:
+        return None

