@@ -74,9 +74,10 @@ def config_args(config: str = "config.yaml") -> dict[str, Any]:
 
 @contextmanager
 def serve_in_process(settings: dict[str, Any], num_cpus: int = 2, metrics: bool = False,
-                     http_options: dict[str, Any] | None = None) -> Iterator[str]:
+                     http_options: dict[str, Any] | None = None, timings: dict[str, float] | None = None) -> Iterator[str]:
     """Ray, Serve and the app with these ServiceSettings args in this process, on a free loopback
-    port; yields its base URL, shuts Ray down after."""
+    port; yields its base URL, shuts Ray down after. `timings` gets the seconds Ray and Serve took
+    to start (`ray_and_serve_s`) and the app until it answered (`app_running_s`)."""
     import ray
     from ray import serve
 
@@ -90,10 +91,14 @@ def serve_in_process(settings: dict[str, Any], num_cpus: int = 2, metrics: bool 
         metrics_port = free_loopback_port()
         init["_metrics_export_port"] = metrics_port
         os.environ["KVMEM_TEST_METRICS_URL"] = f"http://127.0.0.1:{metrics_port}/metrics"
+    started = time.monotonic()
     ray.init(**init)
     try:
         serve.start(http_options={"keep_alive_timeout_s": 15, **(http_options or {}), "host": "127.0.0.1", "port": port})
+        ray_up = time.monotonic()
         serve.run(build_app(settings), name="kvmem", route_prefix="/")
+        if timings is not None:
+            timings.update(ray_and_serve_s=round(ray_up - started, 2), app_running_s=round(time.monotonic() - ray_up, 2))
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

