@@ -92,14 +92,14 @@ class EngineSettings(BaseModel):
     load_format: Literal["auto", "dummy", "safetensors", "gguf"] = Field(
         "auto",
         description="How vLLM loads the weights. dummy: random weights from the folder's config.json (timing runs "
-        "of a model whose weights are not on the machine, bench/serve/serve_h200.py); the answers are then noise.",
+        "of a model whose weights are not on the machine, bench/serve/serve_http.py); the answers are then noise.",
     )
     stream_interval: int = Field(
         1,
         ge=1,
         description="Tokens per streamed event after the first (vLLM's stream_interval; the first token always goes at "
         "once). Every event crosses the replica -> ingress -> proxy hops, so at high load on a GPU larger values "
-        "(config.gpu.yaml: 8) keep those processes from capping the service's QPS (bench/serve/serve_h200.py).",
+        "(config.gpu.yaml: 8) keep those processes from capping the service's QPS (bench/serve/serve_http.py).",
     )
     batch_invariant: bool = Field(
         False,

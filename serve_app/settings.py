@@ -159,7 +159,7 @@ class ServiceSettings(BaseSettings):
         1,
         gt=0,
         description="Replicas of the ChatAPI router (routing: router; stateless, each caches the user -> shard map). It relays "
-        "every streamed event, so one replica caps a GPU's QPS (bench/serve/serve_h200.py); config.gpu.yaml runs 4.",
+        "every streamed event, so one replica caps a GPU's QPS (bench/serve/serve_http.py); config.gpu.yaml runs 4.",
     )
     memory: MemorySettings = Field(default_factory=MemorySettings)
     gpu: GpuPlanSettings = Field(

@@ -8,7 +8,7 @@ does not answer), inside the shard `shard_embed`, `shard_search` and `shard_comp
 `replica_ttft` (replica entry to the first token); on the ingress `auth`, `route` and
 `replica_first_event` (the handle call to the first streamed event). The replica's stages go
 into the answer's `timings` field, the ingress's into a standard `Server-Timing` header, and
-both into `kvmem_stage_seconds{stage}` (bench/serve/serve_h200.py reads all three).
+both into `kvmem_stage_seconds{stage}` (bench/serve/serve_http.py reads all three).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class StageClock:
     def server_timing(self) -> str:
         """The stages as an HTTP Server-Timing header value (W3C: `name;dur=ms, ...`), and when the
         clock started (`started;desc="<unix seconds>"`): a client on the same host splits its own
-        time to the first byte into before the handler and after it (bench.serve.serve_parts.stream_once)."""
+        time to the first byte into before the handler and after it (bench.serve.http_measures.stream_once)."""
         stages = ", ".join(f"{stage};dur={ms:.3f}" for stage, ms in self.stages.items())
         return f'{stages}, started;desc="{self.started_at:.6f}"'
 

@@ -56,7 +56,7 @@ def test_shipped_serve_configs_are_valid_settings(config: str, monkeypatch: pyte
         assert not settings.engine.enforce_eager and settings.memory.arena.device_pages == "auto"
         assert settings.engine.gpu_memory_utilization == "auto" and settings.gpu.sequence_tokens  # the card's memory plan sizes both
         assert settings.llm_replica_num_gpus + settings.shard_num_gpus <= 1 and settings.auth.mode == "keys"
-        # what bench/serve/serve_h200.py found the GPU needs: events batched, no router hop, a full batch admitted
+        # what bench/serve/serve_http.py found the GPU needs: events batched, no router hop, a full batch admitted
         assert settings.engine.stream_interval > 1 and settings.routing == "direct"
         assert settings.llm_replica_max_ongoing_requests >= settings.engine.max_num_seqs
 

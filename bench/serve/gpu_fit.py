@@ -3,7 +3,7 @@ start (nvidia-smi per process, every second), and a start whose plan cannot fit 
 
 GpuMemoryTrace runs `nvidia-smi --query-compute-apps` every second in the background and, at the
 end, names each pid by its process title (ray::ShardActor, VLLM::EngineCore, the Serve replicas):
-the peak MiB per process and when it was reached (bench/serve/faults_h200.py traces its start with
+the peak MiB per process and when it was reached (bench/serve/crash_recovery.py traces its start with
 it). refused_start runs `serve run config.gpu.yaml` with memory.arena.device_pages forced far past
 the card and times how long until `serve run` ends, with the message it gave:
 
@@ -20,13 +20,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from bench.kit.results import read_json, write_result
 
 QUERY = "--query-compute-apps=pid,used_memory"
 
@@ -85,24 +85,6 @@ class GpuMemoryTrace:
                 for pid, (mib, at) in sorted(peaks.items())}
 
 
-def card_name() -> str:
-    """h100 or h200 (the result file's name), from nvidia-smi; "gpu" when it names neither."""
-    try:
-        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout
-    except OSError:
-        return "gpu"
-    return "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
-
-
-def gpu_description() -> str:
-    """The card, as nvidia-smi names it, with its memory."""
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                              capture_output=True, text=True).stdout.strip() or "GPU"
-    except OSError:
-        return "GPU"
-
-
 def started_with(service: Any) -> dict[str, Any]:
     """The memory plan and the start's phases each replica reports (/v1/shards), and the plan's log line."""
     import httpx
@@ -123,17 +105,13 @@ DEPLOY_FAILED_MARKS = ("failed with exception", "DEPLOY_FAILED", "Deploying app 
 def refused_start(out: Path, device_pages: int = 10_000_000, timeout_s: float = 180.0) -> dict[str, Any]:
     """`serve run config.gpu.yaml` with an HBM tier far past the card: seconds until it ends, its exit
     code and the lines that name the refusal."""
-    from bench.serve.serve_h200 import ROOT, ServiceUnderTest, llama8b_dummy_overrides
+    from bench.kit.service import ServeRun, llama8b_dummy_overrides
 
-    overrides = {**llama8b_dummy_overrides(), "KVMEM_MEMORY__ARENA__DEVICE_PAGES": str(device_pages),
-                 "KVMEM_MEMORY__ARENA_DIR": tempfile.mkdtemp(prefix="kvmem-refusal-", dir="/dev/shm")}
-    service = ServiceUnderTest(out, overrides=overrides, floor_apps=False, log_name="refusal-serve.log",
-                               redis_dir=Path(tempfile.mkdtemp(prefix="kvmem-refusal-redis-")))
-    config, env = service.config(), service.environment()
+    overrides = {**llama8b_dummy_overrides(), "KVMEM_MEMORY__ARENA__DEVICE_PAGES": str(device_pages)}
+    service = ServeRun(out, overrides=overrides, fresh=True, log_name="refusal-serve.log")
     log_path = out / service.log_name
     started = time.monotonic()
-    process = subprocess.Popen([sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)],
-                               cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    process = service.launch()
     ended = failed = None  # `serve run` stays up after its application is DEPLOY_FAILED: the log says when
     try:
         while ended is None and time.monotonic() - started < timeout_s:
@@ -163,11 +141,11 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gpu_fit.json"
-    result = json.loads(path.read_text()) if path.exists() else {}
+    result = read_json(path, {})
     if args.refusal:
         result["refusal"] = refused_start(args.out, args.device_pages)
         print(json.dumps(result["refusal"], indent=1))
-    path.write_text(json.dumps(result, indent=1))
+    write_result(path, result)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The floor of Ray Serve itself: no-op applications with the service's hop structure.
 
-bench/serve/serve_h200.py deploys these next to the real application (same Ray cluster, same HTTP
+bench/serve/serve_http.py deploys these next to the real application (same Ray cluster, same HTTP
 proxy) and times the first streamed byte through them, so "the service's own overhead" is
 measured against what Serve costs with no work at all:
 

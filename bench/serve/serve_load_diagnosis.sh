@@ -1,12 +1,12 @@
 #!/bin/bash
-# Where a chat's time goes under load, on a service that bench.serve.serve_h200 left running (--keep-running):
+# Where a chat's time goes under load, on a service that bench.serve.serve_http left running (--keep-running):
 # closed-loop Locust runs (mode none, the 400 varied questions, 10 s each) at users x max_tokens, each
 # printing QPS, the client's TTFT and the replica's own stages (the SERVER rows loadtest/locustfile.py
 # reads from each stream's finishing chunk; outside_replica = TTFT - replica_ttft). Then 100 users, 50
 # tokens, 12 s, modes none and kv, with 4 and with 12 Locust processes: is the client the limit?
-# Mode kv needs the Locust pool seeded: run it after bench.serve.serve_h200's locust part, as on the H200
+# Mode kv needs the Locust pool seeded: run it after bench.serve.serve_http's locust part, as on the H200
 # (bench/results/serve_h200.json, locust_diagnosis_2026_12_03, holds its rows).
-#     bash bench/serve/serve_load_diagnosis.sh        (on the GPU machine, PYTHONPATH as for bench.serve.serve_h200)
+#     bash bench/serve/serve_load_diagnosis.sh        (on the GPU machine, PYTHONPATH as for bench.serve.serve_http)
 set -euo pipefail
 STATE=/tmp/kvmem-serve-bench.json
 URL=$(python3 -c "import json; print(json.load(open('$STATE'))['url'])")

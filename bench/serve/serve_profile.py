@@ -2,14 +2,14 @@
 
 Through HTTP on the H200 the service answered ~100 chats/s without memory while its engine alone
 does 362: the bound is outside the engine. This part runs Locust (closed loop, k = 50, 50 output
-tokens; bench.serve.serve_parts.run_locust) in modes none and kv while py-spy samples, from outside,
+tokens; bench.serve.http_measures.run_locust) in modes none and kv while py-spy samples, from outside,
 the processes of one request's path: Serve's HTTP proxy, the LLM replica (the HTTP routes,
 planning's client, vLLM's front end and output handling), the memory shard actor and vLLM's
 engine core. py-spy samples only the thread holding the GIL (`--gil`), so per process and mode
 the report's `gil_busy` is the share of the time its Python ran (near 1.0: that process's
 Python is the bound), with the functions holding it most, by self time and including callees.
 
-    python3 -m bench.serve.serve_h200 --parts profile --profile-users 100 ...   (on the GPU machine)
+    python3 -m bench.serve.serve_http --parts profile --profile-users 100 ...   (on the GPU machine)
 
 py-spy (a sampling profiler that attaches to a running process) rather than an in-process
 profiler: the processes are Ray's and vLLM's, started by `serve run`, and must not be slowed
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.serve.serve_parts import Context, Part, run_locust, seed_locust_pool
+from bench.serve.http_measures import Context, run_locust, seed_locust_pool
 
 RATE_HZ = 200
 # process title (as Ray and vLLM set it) -> the name this report gives it
@@ -100,6 +100,3 @@ def profile(ctx: Context) -> dict[str, Any]:
             per_process[name] = summarize(raw, sampled) if raw.exists() else {"error": err.decode()[-500:]}
         result[mode] = per_process
     return {"serve_profile": result}
-
-
-PARTS = {"profile": Part(profile, 60)}

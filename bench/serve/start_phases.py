@@ -15,11 +15,13 @@ import argparse
 import json
 import re
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.kit.results import median, table, write_result
+from bench.kit.service import serve_in_process, small_service_args
 
 VLLM_LINES = re.compile(
     r"(Started initializing replica|memory plan|started: process_to_constructor|Initializing a V1 LLM engine|"
@@ -42,33 +44,20 @@ def vllm_start_lines(logs: Path) -> list[str]:
 def one_start(redis_url: str, model_dir: Path, namespace: str) -> dict[str, Any]:
     import ray
     import requests
-    from ray import serve
 
-    from devtools.local_redis import free_loopback_port
-    from serve_app.app import build_app
-    from tests.serve_harness import small_service_args
-
-    port = free_loopback_port()
     arena_dir = tempfile.mkdtemp(prefix=f"kvmem-{namespace}-", dir="/dev/shm")
-    t0 = time.monotonic()
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    t1 = time.monotonic()
+    timings: dict[str, float] = {}
     try:
-        serve.run(build_app(small_service_args(redis_url, model_dir, namespace, arena_dir)), name="kvmem", route_prefix="/")
-        t2 = time.monotonic()
-        shard = requests.get(f"http://127.0.0.1:{port}/v1/shards", timeout=30).json()["results"][0]
-        return {
-            "ray_and_serve_s": round(t1 - t0, 2),
-            "app_running_s": round(t2 - t1, 2),
-            "total_s": round(t2 - t0, 2),
-            "replica_start_phases": shard.get("start_phases"),
-            "memory_plan": shard.get("memory_plan"),
-            "vllm_lines": vllm_start_lines(Path(ray._private.worker._global_node.get_logs_dir_path())),  # this session's logs
-        }
+        with serve_in_process(small_service_args(redis_url, model_dir, namespace, arena_dir), timings=timings) as url:
+            shard = requests.get(f"{url}/v1/shards", timeout=30).json()["results"][0]
+            return {
+                **timings,
+                "total_s": round(timings["ray_and_serve_s"] + timings["app_running_s"], 2),
+                "replica_start_phases": shard.get("start_phases"),
+                "memory_plan": shard.get("memory_plan"),
+                "vllm_lines": vllm_start_lines(Path(ray._private.worker._global_node.get_logs_dir_path())),  # this session's logs
+            }
     finally:
-        serve.shutdown()
-        ray.shutdown()
         shutil.rmtree(arena_dir, ignore_errors=True)
 
 
@@ -88,22 +77,13 @@ def main() -> None:
         for i in range(args.repeats):
             runs.append(one_start(redis.url, model_dir, f"start{i}-{int(time.time())}"))
             print(json.dumps(runs[-1], indent=1), flush=True)
-    keys = ["ray_and_serve_s", "app_running_s", "total_s"]
-    phases = sorted({k for run in runs for k, v in (run["replica_start_phases"] or {}).items() if isinstance(v, (int, float))})
+    rows = [[key, median([r[key] for r in runs])] for key in ("ray_and_serve_s", "app_running_s", "total_s")]
+    for prefix, of in (("replica", lambda r: r["replica_start_phases"] or {}), ("shard", lambda r: (r["replica_start_phases"] or {}).get("shard") or {})):
+        for key in sorted({k for r in runs for k, v in of(r).items() if isinstance(v, (int, float))}):
+            rows.append([f"{prefix}: {key}", median([of(r)[key] for r in runs if key in of(r)])])
     print(f"\nstart of the CPU service ({args.label}), median of {len(runs)} first starts")
-    print(f"{'phase':<36}{'seconds':>10}")
-    for key in keys:
-        print(f"{key:<36}{statistics.median(r[key] for r in runs):>10.2f}")
-    for key in phases:
-        values = [r["replica_start_phases"][key] for r in runs if key in (r["replica_start_phases"] or {})]
-        print(f"{'replica: ' + key:<36}{statistics.median(values):>10.2f}")
-    shard_keys = sorted({k for r in runs for k in ((r["replica_start_phases"] or {}).get("shard") or {})})
-    for key in shard_keys:
-        values = [r["replica_start_phases"]["shard"][key] for r in runs if key in r["replica_start_phases"]["shard"]]
-        print(f"{'shard: ' + key:<36}{statistics.median(values):>10.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"label": args.label, "command": "python -m bench.serve.start_phases", "runs": runs}, indent=1))
-    print(f"wrote {args.out}")
+    print(table(rows, ["phase", "seconds"]))
+    write_result(args.out, {"label": args.label, "command": "python -m bench.serve.start_phases", "runs": runs})
 
 
 if __name__ == "__main__":

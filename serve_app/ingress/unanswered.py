@@ -6,7 +6,7 @@ gets RayActorError and, for any error but 408/429/503, sends no answer of its ow
 (ray.serve._private.http_util.send_http_response_on_exception returns no messages): uvicorn then
 answers a bare `500 Internal Server Error`. The request never ran to the end, the shard's other
 replica is up, and a retry would be served: that is a 503 with Retry-After, which clients (and the
-fault bench, bench.serve.faults_parts.bad_statuses) treat as "try again", not a server bug.
+fault bench, bench.serve.crash_watch.bad_statuses) treat as "try again", not a server bug.
 
 AnsweredOr503 wraps the proxy's ASGI app (installed by serve_app.ingress.proxy_guard.install, the
 RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH callable): an HTTP request whose app returned without
