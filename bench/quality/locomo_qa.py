@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from bench.kit.client import stream_once
 from bench.kit.results import RESULTS, percentiles, progress, write_result
 from bench.kit.stage import DEFAULT_LOCOMO
 from bench.quality.locomo_scoring import CATEGORIES, category_means, evidence_ids, evidence_recall, score_answer, starts_like_list
@@ -79,29 +80,8 @@ class Service:
 
     def chat_stream(self, body: dict[str, Any]) -> tuple[str, float | None, dict[str, Any] | None]:
         """(answer, seconds to the first content chunk or None, the memory report)."""
-        parts: list[str] = []
-        ttft: float | None = None
-        memory: dict[str, Any] | None = None
-        started = time.perf_counter()
-        with self.client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
-            if response.status_code >= 400:
-                raise RuntimeError(f"chat: HTTP {response.status_code}: {response.read().decode()[:500]}")
-            for line in response.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"chat stream error: {chunk['error']}")
-                for choice in chunk.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        ttft = time.perf_counter() - started if ttft is None else ttft
-                        parts.append(content)
-                memory = chunk.get("memory") or memory
-        return "".join(parts), ttft, memory
+        sample = stream_once(self.client, "/v1/chat/completions", body, raise_on_error=True)
+        return sample["content"], None if sample["content_ms"] is None else sample["content_ms"] / 1e3, sample["memory"]
 
 
 def load_conversations(path: Path, indices: list[int] | None, run_tag: str, max_turns: int | None,

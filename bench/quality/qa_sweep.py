@@ -81,7 +81,7 @@ def repair_ttft(url: str, admin_key: str, locomo: Path, run_tag: str, ms: list[i
     import httpx
 
     from bench.quality.locomo_qa import load_conversations
-    from bench.serve.http_measures import stream_once
+    from bench.kit.client import stream_once
 
     conv = load_conversations(locomo, [0], run_tag, None, None)[0]
     questions = [q["question"] for q in conv.questions][:per_m]

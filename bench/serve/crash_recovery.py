@@ -59,6 +59,7 @@ from typing import Any
 import httpx
 import psutil
 
+from bench.kit.client import seed_user
 from bench.kit.results import RESULTS, card, card_tag, read_json, tail, write_result
 from bench.kit.service import STATE, ServeRun, left_running, llama8b_dummy_overrides
 from bench.kit.stage import STAGE
@@ -153,7 +154,7 @@ def seed(handle: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     ctx = context(handle, args)
     started = time.monotonic()
     with ctx.client(timeout_s=600) as client:
-        facts = sum(http_measures.seed_user(client, user, memory_facts(user, args.pool_facts)) for user in user_pool(args.pool))
+        facts = sum(seed_user(client, user, memory_facts(user, args.pool_facts)) for user in user_pool(args.pool))
     return {"seeded_facts": facts, "seed_s": round(time.monotonic() - started, 1)}
 
 

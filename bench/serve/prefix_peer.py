@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bench.kit.results import median
-from bench.serve.http_measures import Context, seed_user, stream_once
+from bench.kit.client import seed_user, stream_once
+from bench.serve.http_measures import Context
 
 SIZES = (100, 500, 1000, 5000)
 PEER_MODES = ("kv", "prompt", "full")
