@@ -54,7 +54,7 @@ import httpx
 import yaml
 
 from bench.kit.results import REPO, RESULTS, write_result
-from bench.kit.results import median as _median
+from bench.kit.results import median as p50
 from bench.kit.service import config_args, serve_in_process
 from devtools.local_redis import LocalRedis
 from devtools.offline_models import prepare_smollm2
@@ -148,10 +148,6 @@ def wait_for_no_pending(client: httpx.Client, within_s: float) -> float | None:
             return time.perf_counter() - started
         time.sleep(1.0)
     return None
-
-
-def p50(values: list[float]) -> float | None:
-    return _median(values)
 
 
 @contextmanager
