@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.kit.results import RESULTS, table, write_result
+from bench.kit.results import RESULTS, percentile, table, write_result
 from bench.kit.stage import DEFAULT_LOCOMO
 
 MATCH_MODEL = "all-MiniLM-L6-v2"
@@ -105,7 +105,7 @@ def threshold_rule(turns: list[dict[str, Any]], embed: Any, seed: int = 0) -> di
             other = rng.choice(others)
             a, b = embed(t["observations"]), embed(other["observations"])
             wrong += (a @ b.T).max(axis=1).tolist()
-    return {"wrong_turn_best_cosine_p95": round(float(np.percentile(wrong, 95)), 4), "pairs": len(wrong)}
+    return {"wrong_turn_best_cosine_p95": round(percentile(wrong, 95), 4), "pairs": len(wrong)}
 
 
 def turn_threshold_rule(turns: list[dict[str, Any]], embed: Any, seed: int = 0) -> dict[str, Any]:
@@ -123,7 +123,7 @@ def turn_threshold_rule(turns: list[dict[str, Any]], embed: Any, seed: int = 0) 
         own.append(float((embed(t["observations"]) @ text[i]).max()))
         j = rng.choice([x for x in by_conv[t["conversation"]] if x != i])
         wrong.append(float((embed(annotated[j]["observations"]) @ text[i]).max()))
-    p95 = float(np.percentile(wrong, 95))
+    p95 = percentile(wrong, 95)
     return {"wrong_turn_best_cosine_p95": round(p95, 4), "turns": len(annotated),
             "own_turn_share_at_or_above": round(float(np.mean(np.array(own) >= p95)), 4)}  # fmt: skip
 
