@@ -68,7 +68,7 @@ def load_conversations(path: Path) -> tuple[list[dict], dict[str, int]]:
     quirks: dict[str, int] = defaultdict(int)
     convs = []
     for conv in data:
-        # turn id -> its text as bench/ingest_locomo.py records it (text, then any shared image's caption)
+        # turn id -> its text as bench/ingest/ingest_locomo.py records it (text, then any shared image's caption)
         turn_text = {
             t["dia_id"]: t["text"] + (f" [shares {t['blip_caption']}]" if t.get("blip_caption") else "")
             for key, val in conv["conversation"].items()
@@ -98,7 +98,7 @@ def load_conversations(path: Path) -> tuple[list[dict], dict[str, int]]:
                         "id": f"{conv['sample_id']}/{session}/{speaker}/{i}",
                         "text": str(text),
                         "src": set(src),
-                        "source_id": src[0] if src else None,  # the first cited turn, as bench/ingest_locomo.py stores it
+                        "source_id": src[0] if src else None,  # the first cited turn, as bench/ingest/ingest_locomo.py stores it
                         "session_time": conv["conversation"].get(f"session_{int(re.findall(r'[0-9]+', session)[0])}_date_time"),
                     })  # fmt: skip
         questions = []
