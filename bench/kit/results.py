@@ -91,14 +91,18 @@ def read_json(path: Path, default: Any = None) -> Any:
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], floats: str = ".2f") -> str:
-    """A plain aligned text table: the first column left-aligned, the others right-aligned."""
+    """A plain aligned text table: numbers right-aligned, anything else left-aligned."""
     def cell(value: Any) -> str:
         return "-" if value is None else format(value, floats) if isinstance(value, float) else str(value)
 
+    def number(value: Any) -> bool:
+        return value is None or isinstance(value, (int, float))
+
     cells = [[cell(v) for v in row] for row in rows]
     widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    lines = ["  ".join(str(h).ljust(w) if i == 0 else str(h).rjust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
-    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    right = [i > 0 and all(number(row[i]) for row in rows) for i in range(len(headers))]
+    lines = ["  ".join(str(h).rjust(w) if r else str(h).ljust(w) for h, w, r in zip(headers, widths, right)).rstrip()]
+    lines += ["  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right)).rstrip() for row in cells]
     return "\n".join(lines)
 
 
