@@ -197,3 +197,28 @@ def test_what_the_proxy_leaves_unanswered_is_503_with_retry_after_and_answers_pa
     assert AnsweredOr503.answered_503 == before + 1
     with pytest.raises(RuntimeError, match="a bug"):  # an exception stays one (uvicorn's 500 says so)
         TestClient(wrap(crashing)).get("/health")
+
+
+def test_a_request_whose_client_left_is_not_answered_by_the_guard() -> None:
+    """Serve's proxy also sends nothing for a request whose client disconnected: no 503 for it, no count."""
+    import asyncio
+
+    from serve_app.ingress.unanswered import AnsweredOr503
+
+    async def leaves(scope, receive, send) -> None:
+        assert (await receive())["type"] == "http.disconnect"  # Serve's proxy watches receive() for this
+
+    async def one() -> list[dict]:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await AnsweredOr503(leaves)({"type": "http", "method": "GET", "path": "/health"}, receive, send)
+        return sent
+
+    before = AnsweredOr503.answered_503
+    assert asyncio.run(one()) == [] and AnsweredOr503.answered_503 == before

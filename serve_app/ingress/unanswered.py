@@ -11,8 +11,8 @@ fault bench, bench.serve.crash_watch.bad_statuses) treat as "try again", not a s
 AnsweredOr503 wraps the proxy's ASGI app (installed by serve_app.ingress.proxy_guard.install, the
 RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH callable): an HTTP request whose app returned without
 starting a response gets that 503. Any answer the app started passes untouched; an exception the app
-raises is not caught (uvicorn's 500 then says a bug is a bug); a client that has left gets nothing
-(uvicorn drops sends after a disconnect).
+raises is not caught (uvicorn's 500 then says a bug is a bug); a request whose client has left
+(Serve's proxy then cancels it and also sends nothing) gets nothing and is not counted.
 """
 
 from __future__ import annotations
@@ -49,7 +49,14 @@ class AnsweredOr503:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = gone = False
+
+        async def watched() -> Message:
+            nonlocal gone
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                gone = True
+            return message
 
         async def tracked(message: Message) -> None:
             nonlocal started
@@ -57,8 +64,8 @@ class AnsweredOr503:
                 started = True
             await send(message)
 
-        await self.app(scope, receive, tracked)
-        if started:
+        await self.app(scope, watched, tracked)
+        if started or gone:
             return
         type(self).answered_503 += 1
         logger.warning("no answer from the replica for %s %s: answered 503 (replica_unavailable)", scope.get("method"), scope.get("path"))
