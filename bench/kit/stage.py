@@ -72,10 +72,6 @@ def pip_download(requirement: str, folder: Path) -> list[Path]:
     return sorted(folder.glob("*.whl"))
 
 
-def dump(payload: Any) -> str:
-    return json.dumps(payload, indent=1, default=str)
-
-
 # What the GPU image lacks for the application beyond vLLM + Ray (stage.sh fetches them without
 # dependencies, so each missing dependency is named too), cuVS at the `gpu` extra's version (26.6:
 # the image's nvJitLink 13.0 serves it; stage.sh --with-cuvs would stage 26.10, which needs 13.3)
