@@ -17,6 +17,9 @@ past the count: it takes the shard that has fewer live engines than llm_replicas
 (shard_short_of_engines; the replica it replaces gave its engine slot up). The shard is published
 to the routers through Serve's record_replica_metadata hook; with several replicas per shard
 UserShardRouter sends a user's request to any of them.
+
+It composes the ingress (serve_app.ingress) with the replica (serve_app.replica), so it sits above
+both, beside the builder (serve_app.app): the replica itself imports nothing of the ingress.
 """
 
 from __future__ import annotations
