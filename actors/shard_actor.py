@@ -39,6 +39,8 @@ import threading
 import time
 from typing import Any, Callable
 
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from actors.plan_channel import PlanServer, plan_channel_address
@@ -157,8 +159,6 @@ class ShardActor(MemoryShard):
             self.busy = None
 
     def _end(self) -> None:
-        import ray
-
         self.plan_server.close()
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
@@ -217,9 +217,6 @@ def start_shard_actor(
     """The shard's actor handle (created on this node unless it already runs). Its environment keeps
     JAX, TensorFlow and CuPy from pooling the card (gpuplan.environment; `env_vars`: the replica's
     memory plan's, with CuPy capped at the shard's share)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     actor = ray.remote(concurrency_groups=SHARD_ACTOR_GROUPS)(ShardActor).options(
         name=shard_actor_name(namespace, shard_id),
         get_if_exists=True,

@@ -51,7 +51,7 @@ class ConnectorConfig:
 def kv_transfer_config(arena_path: Path | str, **extra: Any) -> Any:
     """KVTransferConfig that loads KVMemoryConnector over the arena at `arena_path`; `extra` are
     ConnectorConfig's other fields (device_pages, injector, promote_on_capture, engine_slot)."""
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVTransferConfig  # vLLM: not in `serve run`'s driver
 
     config = ConnectorConfig(arena_path=str(arena_path), **extra)
     return KVTransferConfig(

@@ -76,7 +76,7 @@ class GpuInjector:
         promote_on_capture: bool = True,
         engine_slot: int = 0,
     ) -> None:
-        from connector import triton_inject
+        from connector import triton_inject  # Triton: not on the torch path
 
         self.kernels = triton_inject
         self.arena = arena

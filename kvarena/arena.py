@@ -81,7 +81,7 @@ class FactArena(ArenaTables):
     """Shared-memory fact KV arena (see the module docstring). Open with create() or open()."""
 
     def __init__(self, path: Path, geometry: ArenaGeometry) -> None:
-        import torch
+        import torch  # torch: not in the builder or ingress
 
         super().__init__(path, geometry)
         g = geometry
@@ -333,7 +333,7 @@ class FactArena(ArenaTables):
 
     def entry_kv(self, view: EntryView) -> "torch.Tensor":
         """[num_layers, n_tokens, 2, kv_heads, head_size] copy of an entry's KV."""
-        import torch
+        import torch  # torch: not in the builder or ingress
 
         return self.kv.index_select(1, torch.from_numpy(view.token_slots))
 

@@ -38,6 +38,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from memory.index.base import SearchHit
+from memory.index.keyword import KeywordIndex
+from memory.records import Turn
 from memory.settings import RetrievalSettings
 
 if TYPE_CHECKING:
@@ -155,8 +157,6 @@ def turn_diverse(ranked: Sequence[str], turn_of: Callable[[str], str | None]) ->
 
 def store_turn_texts(store: FactStore) -> ContextOf:
     """(user, turn ids) -> the turns' texts from Redis (one HMGET); Nones when Redis fails."""
-    from memory.fact_store import Turn
-
     def texts(user_id: str, turn_ids: Sequence[str]) -> list[str | None]:
         if not turn_ids:
             return []
@@ -179,8 +179,6 @@ class Retriever:
         self.context_of = context_of if settings.turn_context else None
         self.keyword: Any = None  # memory.index.keyword.KeywordIndex (bm25s) unless dense only
         if settings.retriever != "dense":
-            from memory.index.keyword import KeywordIndex
-
             self.keyword = KeywordIndex(stemmer=settings.stemmer)
         # fact id -> (user id, turn group key, session group key), for expansion
         self._meta: dict[str, tuple[str, str | None, str | None]] = {}

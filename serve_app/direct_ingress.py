@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from kvarena.arena import ArenaError, FactArena
 from serve_app.card_plan import replica_actor_options
 from serve_app.ingress.admin_routes import AdminRoutes
 from serve_app.ingress.completion_routes import CompletionRoutes
@@ -125,8 +126,6 @@ def shard_short_of_engines(settings: ServiceSettings, wait_s: float = 120.0) -> 
     """The first shard whose arena (on this host) has fewer live engines than llm_replicas_per_shard:
     the shard of the replica being replaced. Waits up to `wait_s` for one (the old replica gives its
     slot up when its engine dies, or frees it when its process ends)."""
-    from kvarena.arena import ArenaError, FactArena
-
     deadline = time.monotonic() + wait_s
     while True:
         for shard in range(settings.llm_replicas):

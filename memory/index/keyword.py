@@ -46,7 +46,7 @@ def _bm25s() -> Any:
     for name in masked:
         sys.modules[name] = None  # type: ignore[assignment] # import numba / jax -> ImportError
     try:
-        import bm25s
+        import bm25s  # bm25s: only where an index is built
     finally:
         for name in masked:
             del sys.modules[name]
@@ -58,7 +58,7 @@ class Tokenizer:
 
     def __init__(self, stemmer: str | None = "english", stopwords: str | None = "en") -> None:
         _bm25s()
-        from bm25s.stopwords import STOPWORDS_EN
+        from bm25s.stopwords import STOPWORDS_EN  # bm25s: only where an index is built
 
         self.stopwords = frozenset(STOPWORDS_EN) if stopwords == "en" else frozenset()
         self._stem: Any = None

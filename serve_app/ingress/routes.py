@@ -44,7 +44,7 @@ import logging
 from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import Depends, HTTPException, Query, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -346,8 +346,6 @@ class ChatRoutes:
 
         {"status": "ok", "redis": "ok", "redis_memory": {...}, "replicas": {"0": {"engine": "ok", "shard": "ok"}}};
         redis_memory (used_bytes, max_bytes, fraction) carries a `warning` past memory.redis_memory_warn_fraction."""
-        from fastapi.responses import JSONResponse
-
         limit = self.settings.status_timeout_s
 
         async def redis_status() -> str:

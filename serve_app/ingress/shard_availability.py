@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from fastapi import HTTPException
+from ray import serve
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,6 @@ class ShardAvailability:
 
 
 def _serve_status() -> Any:
-    from ray import serve
-
     return serve.status()
 
 
