@@ -140,7 +140,7 @@ class ShardActor(MemoryShard):
     run a plain MemoryShard in-process."""
 
     def __init__(self, *args: Any, fingerprint: str = "", orphan_timeout_s: float = 0.0, **kwargs: Any) -> None:
-        self.lock = threading.RLock()  # re-entrant: plan_chat calls search
+        self.lock = threading.RLock()  # re-entrant: a locked method may call another (stats calls pending_encodes)
         self.busy: tuple[str, float] | None = None  # (method, since) while a call holds the lock
         self.shed_calls = 0
         self.fingerprint = fingerprint  # the settings this shard was started with (start_shard_actor)

@@ -146,7 +146,7 @@ class GpuInjector:
         """Whether each page's rows read this step are all of its valid rows (so a copy is whole).
 
         Column-wise over the owners' table rows: a per-page loop over the structured table
-        cost ~10 us a page, most of a host-tier step's host time."""
+        was most of a host-tier step's host time."""
         owned = entries >= 0
         rows = self.arena.entries[np.where(owned, entries, 0)]  # copies of the owners' records
         max_pages = rows["pages"].shape[1]

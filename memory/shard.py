@@ -82,7 +82,7 @@ class MemoryShard:
         namespace: str = "default",
         redis_password: str | None = None,
     ) -> None:
-        from transformers import AutoTokenizer  # ~6 s to import: paid by a shard's start, not by importing its names
+        from transformers import AutoTokenizer  # transformers: paid by a shard's start, not by importing its names
 
         lap = Laps()  # the start's phases, in ready() and stats()
         self.shard_id = shard_id

