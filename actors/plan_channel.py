@@ -1,11 +1,10 @@
 """The plan channel: a chat request's memory plan from the shard over a local ZeroMQ socket.
 
 Planning is on every chat request's path, and a Ray actor call costs a round trip through
-Ray's task machinery (bench/serve/shard_hop.py: about 0.9 ms for a call that returns nothing on the
-2-core CPU, 2.9 ms measured as the hop on the H200 host). The shard actor is pinned to its
-replica's node, so the replica can ask it over a Unix socket instead: 0.15 ms round trip on the
-same CPU. This module is that one call, typed (memory.chat_query.ChatQuery in, memory.planner.ChatPlan out),
-and nothing else: every other shard call stays a Ray call (actors.shard_client).
+Ray's task machinery (bench/serve/shard_hop.py; docs/measured.md). The shard actor is pinned to its
+replica's node, so the replica can ask it over a Unix socket instead, several times faster. This
+module is that one call, typed (memory.chat_query.ChatQuery in, memory.planner.ChatPlan out), and
+nothing else: every other shard call stays a Ray call (actors.shard_client).
 
 - PlanServer runs in the shard actor's process, on a thread of its own; each request runs
   under the lock that also serializes the actor's Ray calls (actors.shard_actor.ShardActor), so

@@ -39,6 +39,8 @@ import threading
 import time
 from typing import Any, Callable
 
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from actors.plan_channel import PlanServer, plan_channel_address
@@ -138,7 +140,7 @@ class ShardActor(MemoryShard):
     run a plain MemoryShard in-process."""
 
     def __init__(self, *args: Any, fingerprint: str = "", orphan_timeout_s: float = 0.0, **kwargs: Any) -> None:
-        self.lock = threading.RLock()  # re-entrant: plan_chat calls search
+        self.lock = threading.RLock()  # re-entrant: a locked method may call another (stats calls pending_encodes)
         self.busy: tuple[str, float] | None = None  # (method, since) while a call holds the lock
         self.shed_calls = 0
         self.fingerprint = fingerprint  # the settings this shard was started with (start_shard_actor)
@@ -157,8 +159,6 @@ class ShardActor(MemoryShard):
             self.busy = None
 
     def _end(self) -> None:
-        import ray
-
         self.plan_server.close()
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
@@ -217,9 +217,6 @@ def start_shard_actor(
     """The shard's actor handle (created on this node unless it already runs). Its environment keeps
     JAX, TensorFlow and CuPy from pooling the card (gpuplan.environment; `env_vars`: the replica's
     memory plan's, with CuPy capped at the shard's share)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     actor = ray.remote(concurrency_groups=SHARD_ACTOR_GROUPS)(ShardActor).options(
         name=shard_actor_name(namespace, shard_id),
         get_if_exists=True,

@@ -22,6 +22,8 @@ import logging
 import time
 from typing import Any, Sequence, TypeVar
 
+import ray
+
 from actors.plan_channel import PlanChannelTimeout, PlanClient, PlanExpired
 from actors.shard_calls import PROBE_GROUP, CallExpired, ShardHealth
 from memory.chat_query import ChatQuery
@@ -175,8 +177,6 @@ class ShardClient:
 def _cancel(call: Any) -> None:
     """Cancel a Ray call nobody waits for any more (not run if it has not started, never retried)."""
     try:
-        import ray
-
         if isinstance(call, ray.ObjectRef):
             ray.cancel(call, recursive=False)
     except Exception as exc:  # noqa: BLE001 - the call's deadline sheds it in the shard anyway

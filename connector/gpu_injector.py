@@ -76,7 +76,7 @@ class GpuInjector:
         promote_on_capture: bool = True,
         engine_slot: int = 0,
     ) -> None:
-        from connector import triton_inject
+        from connector import triton_inject  # Triton: not on the torch path
 
         self.kernels = triton_inject
         self.arena = arena
@@ -146,7 +146,7 @@ class GpuInjector:
         """Whether each page's rows read this step are all of its valid rows (so a copy is whole).
 
         Column-wise over the owners' table rows: a per-page loop over the structured table
-        cost ~10 us a page, most of a host-tier step's host time."""
+        was most of a host-tier step's host time."""
         owned = entries >= 0
         rows = self.arena.entries[np.where(owned, entries, 0)]  # copies of the owners' records
         max_pages = rows["pages"].shape[1]

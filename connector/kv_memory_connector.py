@@ -75,7 +75,7 @@ class KVMemoryConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        config = ConnectorConfig.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config))
+        config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         arena = FactArena.open(config.arena_path)
         if role == KVConnectorRole.SCHEDULER:
             watch_parent()  # the engine core goes when its replica goes (connector.parent_watch)

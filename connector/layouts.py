@@ -56,7 +56,7 @@ class CpuAttnLayout:
         return view[:, :, :block_size], view[:, :, block_size:]
 
     def _kernel_write(self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        from vllm import _custom_ops as ops
+        from vllm import _custom_ops as ops  # vLLM: engine core only, not tests
 
         key_cache, value_cache = self._regions(cache)
         ops.cpu_attn_reshape_and_cache(

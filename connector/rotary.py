@@ -35,7 +35,7 @@ class KeyRepositioner:
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "KeyRepositioner":
         """Build from the engine's model config, with the same get_rope call a decoder makes."""
-        from vllm.model_executor.layers.rotary_embedding import get_rope
+        from vllm.model_executor.layers.rotary_embedding import get_rope  # vLLM: engine core only, not tests
 
         model_config = vllm_config.model_config
         hf_config = model_config.hf_text_config
@@ -46,7 +46,7 @@ class KeyRepositioner:
             rope_parameters["partial_rotary_factor"] = partial
         is_neox_style = bool(getattr(hf_config, "rope_is_neox_style", True))
         max_position = rope_max_position(vllm_config)
-        from vllm.config import set_current_vllm_config
+        from vllm.config import set_current_vllm_config  # vLLM: engine core only, not tests
 
         with set_current_vllm_config(vllm_config):  # get_rope builds a CustomOp
             rope = get_rope(
@@ -94,7 +94,7 @@ class KeyRepositioner:
 
     def rotate(self, keys: torch.Tensor, distances: torch.Tensor) -> torch.Tensor:
         """keys [T, kv_heads, head_size] rotated by distances [T] (computed in fp32)."""
-        from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
+        from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb  # vLLM: engine core only, not tests
 
         if not bool((distances != 0).any()):
             return keys

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from vllm.model_executor.models.utils import extract_layer_index
 
+from connector.gpu_injector import GpuInjector
 from connector.layouts import FlashAttnLayout, PagedKVLayout, layout_for_metadata
 from connector.metadata import KVMemoryConnectorMetadata
 from connector.rotary import KeyRepositioner
@@ -55,8 +57,6 @@ class KVMemoryWorker:
         self.gpu: Any = None  # connector.gpu_injector.GpuInjector on a GPU
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.model_executor.models.utils import extract_layer_index
-
         ordered = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
         self.layer_names = [name for name, _ in ordered]
         self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
@@ -80,8 +80,6 @@ class KVMemoryWorker:
             logger.info("KV memory connector: torch injection path (backend %s)", backend)
             return
         try:
-            from connector.gpu_injector import GpuInjector
-
             self.gpu = GpuInjector(
                 self.arena, self.layers, self.repositioner, self.device_pages, self.promote_on_capture, engine_slot=self.engine_slot
             )

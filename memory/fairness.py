@@ -126,9 +126,6 @@ class FloorLRU:
         if not self._count[user]:
             del self._count[user]
 
-    def count_of(self, user: str) -> int:
-        return self._count.get(user, 0)
-
     def victims_for(self, user: str) -> Iterator[str]:
         """Keys that may be evicted to make room for a fact of `user`, least recently used first:
         `user`'s own, and other users' while those users hold more than the floor. (The caller

@@ -37,6 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memory.index.keyword import _bm25s
 from memory.records import NewFact, Turn
 
 __all__ = [
@@ -96,10 +97,8 @@ _CONTRACTIONS = (("n't", " not"), ("'m", ""), ("'re", ""), ("'ve", ""), ("'ll", 
 @lru_cache(maxsize=1)
 def _tools() -> tuple[frozenset[str], Any]:
     """English function words (bm25s' NLTK list, as the keyword index) and a Snowball stemmer."""
-    from memory.index.keyword import _bm25s
-
     _bm25s()  # bm25s without numba (see memory.index.keyword)
-    import Stemmer  # PyStemmer
+    import Stemmer  # PyStemmer and bm25s: not in `serve run`'s driver
     from bm25s.stopwords import STOPWORDS_EN_PLUS
 
     return frozenset(STOPWORDS_EN_PLUS) - _NEGATIONS, Stemmer.Stemmer("english")

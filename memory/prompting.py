@@ -34,13 +34,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from memory.records import Turn
+from memory.settings import DEFAULT_INSTRUCTION
 
 MEMORY_MARKER = "\u2063KVMEM_MEMORY\u2063"
-
-DEFAULT_INSTRUCTION = (
-    "You are a helpful assistant with a long-term memory of the user. "
-    "Facts you remember about the user, most relevant last:\n"
-)
 
 EXTRACTION_INSTRUCTION = (
     "Extract at most {n} short, standalone facts about the speaker from the message below. "

@@ -1,8 +1,8 @@
 """One query's embedding on a CUDA device, replayed from a CUDA graph per token count.
 
 Eager PyTorch dispatches all-MiniLM-L6-v2's few hundred small kernels one by one from Python:
-the shard's `shard_embed` stage measured a median 11.1 ms per chat request on the H200 host
-(bench/results/serve_h200.json), against a forward whose GPU work is well under a millisecond.
+the shard's `shard_embed` stage took many times the forward's own GPU work on a GPU host
+(docs/measured.md).
 A single query needs no padding, so each token count n has one static graph: [1, n] token ids
 in, the mean-pooled, L2-normalised row out (the model's own Pooling + Normalize modules, which
 sentence-transformers applies in `encode`). Graphs are captured lazily (one per n seen, sharing

@@ -17,26 +17,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from memory.records import QuotaExceeded, Turn, content_bytes
 from memory.redis_keys import RedisKeys
+from memory.settings import QuotaSettings
 
 USAGE_FIELDS = ("facts", "turns", "text_bytes")
-
-
-class QuotaSettings(BaseModel):
-    """What one user may keep; a write past a limit is refused whole (HTTP 429). 0: no limit."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_facts: int = Field(10_000, ge=0, description="Most live facts one user may keep (0: no limit).")
-    max_turns: int = Field(20_000, ge=0, description="Most conversation turns one user may keep (0: no limit).")
-    max_text_bytes: int = Field(
-        16 * 2**20,
-        ge=0,
-        description="Most UTF-8 bytes of stored text (fact texts plus turn texts) one user may keep (0: no limit).",
-    )
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ The shard writes through memory.fact_store.FactStore; the ingress reads the rout
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 
@@ -45,6 +46,4 @@ class RedisKeys:
 
 def stable_shard(user_id: str, num_shards: int) -> int:
     """The shard a new user is assigned to (a stable hash: the same on every process)."""
-    import hashlib
-
     return int(hashlib.sha1(user_id.encode()).hexdigest(), 16) % num_shards

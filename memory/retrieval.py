@@ -1,6 +1,5 @@
 """Hybrid retrieval in the shard: dense vectors + per-user BM25, fused; session dates; expansion.
 
-    RetrievalSettings  memory.retrieval in the service settings (torch- and bm25s-free import)
     Retriever          what MemoryShard searches through: keeps the keyword index in step with
                        the vector index (track / forget / clear_user) and answers search()
     rrf_fuse           weighted reciprocal-rank fusion of ranked hit lists (ties share a rank)
@@ -36,11 +35,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import TYPE_CHECKING, Any
 
 from memory.index.base import SearchHit
+from memory.index.keyword import KeywordIndex
+from memory.records import Turn
+from memory.settings import RetrievalSettings
 
 if TYPE_CHECKING:
     import numpy as np
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from memory.index.base import VectorIndex
 
 __all__ = [
-    "RetrievalSettings",
     "Retriever",
     "expand",
     "is_time_question",
@@ -62,42 +61,6 @@ __all__ = [
 
 ContextOf = Callable[[str, Sequence[str]], Sequence[str | None]]
 """(user id, source turn ids) -> each turn's text, None where unknown."""
-
-
-class RetrievalSettings(BaseModel):
-    """How a shard ranks a user's facts for a query (search and chat alike)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    retriever: Literal["dense", "keyword", "hybrid"] = Field(
-        "hybrid",
-        description="dense: the vector index alone (as before issue 29); keyword: BM25 alone; hybrid: both, fused by "
-        "weighted reciprocal rank. LoCoMo evidence recall@10 (docs/retrieval.md): dense 0.609, hybrid 0.67.",
-    )
-    candidates: int = Field(50, gt=0, le=1000, description="Facts each retriever contributes to the fusion (at least k).")
-    rrf_k: float = Field(10.0, gt=0, description="Reciprocal-rank constant: a fact at rank r of a list scores w / (rrf_k + r).")
-    dense_weight: float = Field(1.0, ge=0, description="Weight of the dense list in the fusion.")
-    keyword_weight: float = Field(1.0, ge=0, description="Weight of the keyword (BM25) list in the fusion.")
-    time_keyword_boost: float = Field(
-        1.0, ge=0, description="Keyword weight multiplier for a time question (when ..., a month or year named)."
-    )
-    session_dates: bool = Field(True, description="Write each fact's session date into its keyword document.")
-    turn_context: bool = Field(True, description="Write each fact's source turn text (if recorded) into its keyword document.")
-    stemmer: str | None = Field("english", description="Snowball stemmer language of the keyword index (PyStemmer); null: none.")
-    expand: Literal["none", "turn", "session"] = Field(
-        "none",
-        description="After fusion, put other facts of the same source turn (turn) or session (session) right after "
-        "each of the `expand_top` strongest hits, within k. Measured on LoCoMo: it does not raise evidence recall.",
-    )
-    expand_top: int = Field(2, ge=0, description="Strongest hits whose neighbours are added (expand).")
-    expand_per_hit: int = Field(1, ge=0, description="Most neighbours added per hit (expand).")
-    rerank: Literal["none", "turn_diverse"] = Field(
-        "turn_diverse",
-        description="Second stage over the first stage's top `candidates`: turn_diverse puts one fact per source turn "
-        "first (a fact of a turn already brought by a better-ranked fact moves behind the others); none keeps the "
-        "first stage's order. LoCoMo evidence recall@10 (docs/retrieval.md): +0.002 overall, +0.009 multi-hop; "
-        "cost about 0.02 ms per search (used on search and chat alike).",
-    )
 
 
 # ---------------------------------------------------------------------------- pure parts
@@ -194,8 +157,6 @@ def turn_diverse(ranked: Sequence[str], turn_of: Callable[[str], str | None]) ->
 
 def store_turn_texts(store: FactStore) -> ContextOf:
     """(user, turn ids) -> the turns' texts from Redis (one HMGET); Nones when Redis fails."""
-    from memory.fact_store import Turn
-
     def texts(user_id: str, turn_ids: Sequence[str]) -> list[str | None]:
         if not turn_ids:
             return []
@@ -218,8 +179,6 @@ class Retriever:
         self.context_of = context_of if settings.turn_context else None
         self.keyword: Any = None  # memory.index.keyword.KeywordIndex (bm25s) unless dense only
         if settings.retriever != "dense":
-            from memory.index.keyword import KeywordIndex
-
             self.keyword = KeywordIndex(stemmer=settings.stemmer)
         # fact id -> (user id, turn group key, session group key), for expansion
         self._meta: dict[str, tuple[str, str | None, str | None]] = {}

@@ -40,6 +40,7 @@ import time
 from typing import Any, Sequence
 
 import numpy as np
+import torch  # already loaded by the index backends (memory.index.factory)
 
 from kvarena.arena import ArenaError, FactArena, arena_geometry_for
 from memory.composition import user_namespace, user_salt
@@ -81,7 +82,7 @@ class MemoryShard:
         namespace: str = "default",
         redis_password: str | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # transformers: paid by a shard's start, not by importing its names
 
         lap = Laps()  # the start's phases, in ready() and stats()
         self.shard_id = shard_id
@@ -103,8 +104,6 @@ class MemoryShard:
         lap("tokenizer")
         embed_device = settings.embedding_device
         if embed_device == "auto":
-            import torch
-
             embed_device = "cuda" if torch.cuda.is_available() else "cpu"
         self.embedder = Embedder(settings.embedding_model, device=embed_device)
         lap("embedder")

@@ -2,7 +2,7 @@
 
 Thin and keyword-only, like Ray Serve LLM's builders: settings in, a bound application out:
 with `routing: router` one ChatAPI ingress in front of one LLMReplica deployment per shard; with
-`routing: direct` one deployment of LLM replicas that are their own ingress (serve_app.replica.direct_ingress).
+`routing: direct` one deployment of LLM replicas that are their own ingress (serve_app.direct_ingress).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ray.serve.config import RequestRouterConfig
 from serve_app.card_plan import preflight, replica_actor_options
 from serve_app.ingress.router import ChatAPI
 from serve_app.ingress.shard_router import UserShardRouter
-from serve_app.replica.direct_ingress import direct_deployment
+from serve_app.direct_ingress import direct_deployment
 from serve_app.replica.engine import check_engine_kwargs
 from serve_app.replica.server import LLMReplica
 from serve_app.settings import ServiceSettings

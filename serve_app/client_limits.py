@@ -1,5 +1,6 @@
 """Settings of what one client may cost the service: admission (rates and in-flight caps per key and
-per user), and the connection deadlines and bounds of Serve's HTTP proxy.
+per user), the connection deadlines and bounds of Serve's HTTP proxy, and the hard bounds of one
+add's body (the `add_limits` settings may lower them; serve_app.memory_protocol enforces them).
 
 Read by serve_app.settings (the application's `args`: `admission`) and, for the proxy, from the
 environment alone (`ProxySettings`, KVMEM_PROXY_*): Serve starts its proxy before any application,
@@ -12,6 +13,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MAX_FACTS_PER_ADD = 64
+MAX_FACT_CHARS = 2_000  # the replica also bounds tokens: one arena entry per fact
+MAX_TURNS_PER_ADD = 256
+MAX_TURN_CHARS = 20_000
 
 
 class RateLimit(BaseModel):

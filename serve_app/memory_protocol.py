@@ -22,15 +22,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from memory.records import FactEvent, FactRecord, MemoryHit
+from serve_app.client_limits import MAX_FACT_CHARS, MAX_FACTS_PER_ADD, MAX_TURN_CHARS, MAX_TURNS_PER_ADD
 from serve_app.protocol import MAX_ID_CHARS, MAX_REQUEST_CHARS, NonBlank, bounded_depth, json_depth
 
 logger = logging.getLogger(__name__)
 
 MAX_ADD_MESSAGES = 8  # each user message costs one extraction request (up to 256 generated tokens)
-MAX_FACTS_PER_ADD = 64
-MAX_FACT_CHARS = 2_000  # the replica also bounds tokens: one arena entry per fact
-MAX_TURNS_PER_ADD = 256
-MAX_TURN_CHARS = 20_000
 MAX_METADATA_BYTES = 4_096  # compact JSON; counted against the user's text quota (memory.quota)
 MAX_METADATA_DEPTH = 8  # levels of objects and arrays, the metadata object itself the first
 MAX_SEARCH_RESULTS = 200

@@ -27,7 +27,7 @@ from serve_app.client_fields import IgnoredClientFields
 # Bounds on what a client sends (characters and counts; the replica bounds tokens).
 MAX_CHAT_MESSAGES = 256
 MAX_MESSAGE_CHARS = 100_000  # per chat message; the context length bounds the whole prompt in tokens
-MAX_REQUEST_CHARS = 400_000  # all text of one request: the replica tokenizes it (about 0.3 s at this size)
+MAX_REQUEST_CHARS = 400_000  # all text of one request: the replica tokenizes it all
 MAX_CONTENT_PARTS = 64
 MAX_ID_CHARS = 256
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit

@@ -16,15 +16,14 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gpuplan.settings import GpuPlanSettings
 from memory.settings import MemorySettings
 from serve_app.engine_settings import ENGINE_KWARGS_SET_BY_THE_REPLICA, EngineSettings  # noqa: F401 - the settings' engine block
 from serve_app.api_settings import EmbeddingsSettings, ResponsesSettings, embedding_model_name
-from serve_app.client_limits import AdmissionSettings
-from serve_app.memory_protocol import MAX_FACT_CHARS, MAX_FACTS_PER_ADD, MAX_TURN_CHARS, MAX_TURNS_PER_ADD
+from serve_app.client_limits import MAX_FACT_CHARS, MAX_FACTS_PER_ADD, MAX_TURN_CHARS, MAX_TURNS_PER_ADD, AdmissionSettings
 
 DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"  # the embedded default's folder in the model cache
 DEFAULT_SERVED_NAME = "smollm2-135m-instruct"  # what the API calls the embedded default

@@ -30,7 +30,7 @@ import requests
 from actors.shard_client import ShardClient
 from connector.engine_config import kv_transfer_config
 from memory.fairness import EncodeBacklogFull
-from memory.index import IndexSettings
+from memory.index.settings import IndexSettings
 from memory.records import MemoryHit, NewFact, Turn
 from memory.settings import ArenaCapacity, MemorySettings
 from memory.shard import PREFIX_KEY, MemoryShard

@@ -173,7 +173,8 @@ def test_a_window_far_beyond_the_context_is_trimmed_and_the_add_returns_quickly(
     turns, about 17,000 tokens) is trimmed, oldest turns first, to fit the 1,024-token context."""
     from transformers import AutoTokenizer
 
-    from memory.prompting import DEFAULT_INSTRUCTION, PromptLayout
+    from memory.prompting import PromptLayout
+    from memory.settings import DEFAULT_INSTRUCTION
 
     user = f"vera-{uuid.uuid4().hex[:6]}"
     turns = [Turn(turn_id=f"L{i}", speaker="Vera", text=f"Turn {i}: " + "the long story goes on and on. " * 500, order=i) for i in range(6)]

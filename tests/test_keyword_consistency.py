@@ -24,7 +24,8 @@ class IndexWithRetriever:
     MemoryShard does: add = track_version, remove = forget, clear_user = delete_all."""
 
     def __init__(self) -> None:
-        from memory.retrieval import RetrievalSettings, Retriever
+        from memory.retrieval import Retriever
+        from memory.settings import RetrievalSettings
 
         self.index = ExactIndex(DIM, initial_capacity=4)
         self.retriever = Retriever(RetrievalSettings(expand="session"), self.index)

@@ -20,7 +20,7 @@ from serve_app.replica.encode_driver import EncodeDriver
 from memory.records import NewFact
 from memory.shard import PREFIX_KEY, MemoryShard
 from memory.settings import ArenaCapacity, MemorySettings
-from memory.index import IndexSettings
+from memory.index.settings import IndexSettings
 from bench.ingest.ingest_locomo import conversation_turns, ingest, observation_facts
 from connector.engine_config import kv_transfer_config
 from kvarena.arena import EntryRef

@@ -20,7 +20,8 @@ import redis
 
 from devtools.local_redis import LocalRedis
 from memory.fact_store import FactStore
-from memory.quota import QuotaSettings, Usage, redis_memory_report
+from memory.quota import Usage, redis_memory_report
+from memory.settings import QuotaSettings
 from memory.records import NewFact, QuotaExceeded, Turn
 
 EMBEDDING = np.zeros(4, dtype=np.float32)

@@ -19,7 +19,7 @@ import pytest
 
 from actors.shard_client import ShardClient
 from memory.records import NewFact
-from memory.index import IndexSettings
+from memory.index.settings import IndexSettings
 from memory.records import MemoryHit
 from memory.settings import ArenaCapacity, MemorySettings
 from memory.shard import MemoryShard

@@ -32,7 +32,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.ingress.routes import ChatRoutes, api
-from serve_app.replica.direct_ingress import LocalCalls
+from serve_app.direct_ingress import LocalCalls
 from serve_app.settings import ServiceSettings
 from serve_app.ingress.shard_router import UserShardRouter
 from serve_app.shard_routing import replica_metadata

@@ -2,14 +2,14 @@
 
     VectorIndex    the interface the memory shard uses (add / remove / search / count / clear_user)
     SearchHit      one result: fact id and cosine score
-    IndexSettings  configuration; build_index(settings, dim) picks the backend
+    IndexSettings  configuration (memory.index.settings); build_index(settings, dim) picks the backend
     ExactIndex     torch, CPU or GPU: one contiguous matrix per user (memory.index.exact)
     CagraIndex     cuVS CAGRA graph over all users' rows, GPU only (memory.index.cagra)
     cuvs_available whether cuVS imports and a GPU is present (memory.index.cuvs_interop)
 
-Importing this package, or `IndexSettings`, `SearchHit`, `VectorIndex` from it, does not import
-torch (the HTTP ingress reads IndexSettings through the settings); the torch-backed names are
-loaded on first access.
+Importing this package imports none of its modules: each name is loaded on first access, so
+reading the settings (memory.index.settings) loads no backend, and `IndexSettings`, `SearchHit`,
+`VectorIndex` from here import no torch.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from memory.index.base import IndexSettings, SearchHit, VectorIndex
-
 if TYPE_CHECKING:
+    from memory.index.base import SearchHit, VectorIndex
     from memory.index.cagra import CagraIndex
     from memory.index.cuvs_interop import cuvs_available
     from memory.index.exact import ExactIndex
     from memory.index.factory import build_index
+    from memory.index.settings import IndexSettings
 
 __all__ = [
     "CagraIndex",
@@ -36,6 +36,9 @@ __all__ = [
 ]
 
 _LAZY = {
+    "IndexSettings": "memory.index.settings",
+    "SearchHit": "memory.index.base",
+    "VectorIndex": "memory.index.base",
     "CagraIndex": "memory.index.cagra",
     "ExactIndex": "memory.index.exact",
     "build_index": "memory.index.factory",

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from memory.index.base import IndexSettings, VectorIndex
+from memory.index.base import VectorIndex
 from memory.index.cagra import CagraIndex
 from memory.index.cuvs_interop import cuvs_available
 from memory.index.exact import ExactIndex, resolve_device
+from memory.index.settings import IndexSettings
 
 __all__ = ["build_index"]
 

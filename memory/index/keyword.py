@@ -9,7 +9,7 @@ source turn). Adding a fact id that is present replaces its document (and its us
 bm25s has no incremental add (idf and the average document length change with every document,
 and its score matrix is precomputed), so a write only marks the user dirty and the user's
 index is rebuilt from the cached token lists on the next search, or earlier by `refresh()` (the
-shard calls it off the chat path). Rebuild cost: docs/retrieval.md (about 3 ms for 300 facts).
+shard calls it off the chat path). Rebuild cost: docs/retrieval.md.
 
 Tokens: lower-cased words of two or more letters or digits (bm25s' own pattern), English
 stop words (bm25s' list) dropped, Snowball-stemmed with PyStemmer when `stemmer` names a
@@ -38,15 +38,14 @@ def _bm25s() -> Any:
     never bm25s' top-k selection): importing numba loads llvmlite, whose ffi object breaks vLLM's scan
     of sys.modules when an engine is built later in the same process (vllm/triton_utils/dispatcher.py:
     AttributeError); and bm25s/selection.py imports jax.lax when JAX is installed and runs a top-k on
-    import, which makes JAX take its device: 75% of a GPU by default (issue 34, measured on an H100:
-    the shard went from 0.6 to 60 GiB). A name set to None in sys.modules makes its import fail."""
+    import, which makes JAX take its device: 75% of a GPU by default (issue 34, docs/measured.md). A name set to None in sys.modules makes its import fail."""
     if "bm25s" in sys.modules:
         return sys.modules["bm25s"]
     masked = [name for name in _OPTIONAL_BACKENDS if name not in sys.modules]
     for name in masked:
         sys.modules[name] = None  # type: ignore[assignment] # import numba / jax -> ImportError
     try:
-        import bm25s
+        import bm25s  # bm25s: only where an index is built
     finally:
         for name in masked:
             del sys.modules[name]
@@ -58,7 +57,7 @@ class Tokenizer:
 
     def __init__(self, stemmer: str | None = "english", stopwords: str | None = "en") -> None:
         _bm25s()
-        from bm25s.stopwords import STOPWORDS_EN
+        from bm25s.stopwords import STOPWORDS_EN  # bm25s: only where an index is built
 
         self.stopwords = frozenset(STOPWORDS_EN) if stopwords == "en" else frozenset()
         self._stem: Any = None

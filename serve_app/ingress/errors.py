@@ -26,7 +26,6 @@ as OpenAI's API and its clients expect (`openai.BadRequestError.param`, `.code`,
 that every operation documents these statuses with the ErrorResponse schema (and the chat and
 text-completion routes their JSON answer and their server-sent events), which the schema-driven
 fuzz test holds it to.
-RefusalsAreNotFailures keeps Ray Serve from logging a replica's refusals as failed requests.
 Imports neither torch nor vLLM: it runs in the ingress.
 """
 
@@ -62,17 +61,6 @@ _REFUSALS_WITH_A_CODE = {"QuotaExceeded", "StoreFull", "EncodeBacklogFull", "Ref
 _CODE_OF_STATUS = {401: "invalid_api_key"}
 UNAVAILABLE_RETRY_AFTER_S = "5"  # as for a Redis outage (routes.http_error): a restarted replica or shard is back within seconds
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-class RefusalsAreNotFailures(logging.Filter):
-    """For the `ray.serve` logger of a replica: Ray Serve logs every exception a deployment method
-    raises, with its traceback, as a failed request; a refusal (RequestRejected, NotFound,
-    QuotaExceeded, EncodeBacklogFull: the client gets a 4xx) is not a failure of the replica."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        error = getattr(error, "cause", None) or error  # the shard's own exception, out of Ray's wrapper
-        return not isinstance(error, (RequestRejected, NotFound, QuotaExceeded, EncodeBacklogFull))
 
 
 def error_type(status: int) -> str:

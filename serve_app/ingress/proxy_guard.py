@@ -34,6 +34,8 @@ import time
 from collections import Counter
 from typing import Any
 
+import uvicorn.config
+from starlette.middleware import Middleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from serve_app.client_limits import ProxySettings
@@ -144,9 +146,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 def install() -> list[Any]:
     """RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH's callable: makes GuardedHttpToolsProtocol the
     proxy's uvicorn protocol (settings from KVMEM_PROXY_* now) and returns the AnsweredOr503 middleware."""
-    import uvicorn.config
-    from starlette.middleware import Middleware
-
     GuardedHttpToolsProtocol.settings = ProxySettings()
     uvicorn.config.HTTP_PROTOCOLS["auto"] = PROTOCOL_PATH
     logger.info("proxy guard installed: %s", GuardedHttpToolsProtocol.settings.model_dump())

@@ -4,7 +4,7 @@ The router deployment (serve_app.ingress.router.ChatAPI, `routing: router`, the 
 in its own Serve replicas in front of one LLMReplica deployment per shard, and sends each user to
 the replica holding that user's memory; it imports neither torch nor vLLM (tests/test_layout.py
 checks), so it starts in a second and stays light. With `routing: direct` the same routes run
-inside each LLM replica (serve_app.replica.direct_ingress), one Serve hop fewer. Subclasses add the
+inside each LLM replica (serve_app.direct_ingress), one Serve hop fewer. Subclasses add the
 Mem0 platform's routes (.mem0_routes, and its methods not implemented yet: .mem0_unimplemented), text
 completions (.completion_routes), models and embeddings (.openai_routes) and the Responses API
 (.responses_routes).
@@ -44,7 +44,7 @@ import logging
 from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import Depends, HTTPException, Query, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -90,7 +90,7 @@ memory_route = functools.partial(register, api)  # a route at its path and its t
 
 class ChatRoutes:
     """The HTTP routes, for whichever deployment is the ingress: the ChatAPI router deployment
-    (below) or, with `routing: direct`, each LLM replica itself (serve_app.replica.direct_ingress).
+    (below) or, with `routing: direct`, each LLM replica itself (serve_app.direct_ingress).
     A subclass says where a shard's calls go (`_replica`, `_home_replica`, `num_shards`); what
     it returns answers the LLM replica's methods as `x.method.remote(...)`, like a Serve handle."""
 
@@ -346,8 +346,6 @@ class ChatRoutes:
 
         {"status": "ok", "redis": "ok", "redis_memory": {...}, "replicas": {"0": {"engine": "ok", "shard": "ok"}}};
         redis_memory (used_bytes, max_bytes, fraction) carries a `warning` past memory.redis_memory_warn_fraction."""
-        from fastapi.responses import JSONResponse
-
         limit = self.settings.status_timeout_s
 
         async def redis_status() -> str:

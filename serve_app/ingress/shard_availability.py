@@ -2,7 +2,7 @@
 
 When a shard's LLM replica dies, Serve starts a replacement, and a request sent through the
 shard's handle meanwhile waits in Serve's queue until the replacement is up: tens of seconds on a
-CPU (issue 26 measured 52 s), longer than a client should wait without an answer. The router
+CPU (docs/measured.md), longer than a client should wait without an answer. The router
 (serve_app.ingress.router.ChatAPI) asks this instead, before it sends a request: for a shard whose
 deployment has no RUNNING replica it answers 503 with Retry-After at once. The state is polled from
 the controller (`serve.status()`, in a thread, every `period_s`), not guessed from timeouts: a busy
@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from fastapi import HTTPException
+from ray import serve
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,6 @@ class ShardAvailability:
 
 
 def _serve_status() -> Any:
-    from ray import serve
-
     return serve.status()
 
 

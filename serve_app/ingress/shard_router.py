@@ -1,6 +1,6 @@
 """UserShardRouter: Ray Serve's request router, sending a request to the replica of its shard.
 
-Used by the `routing: direct` topology (serve_app.replica.direct_ingress), where each LLM replica is
+Used by the `routing: direct` topology (serve_app.direct_ingress), where each LLM replica is
 its own HTTP ingress and no router deployment stands between Serve's proxy and the engine.
 The router runs wherever a handle routes to those replicas: in Serve's proxy (HTTP requests)
 and in each replica (a request forwarded to the shard that holds its user).
@@ -20,7 +20,7 @@ Each replica publishes its shard through Serve's `record_replica_metadata` hook.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 

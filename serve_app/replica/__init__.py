@@ -5,6 +5,6 @@ construction and in-place restart (engine.py, lifecycle.py), sampling and respon
 encodes, extraction and reconciliation on the served model, and the shard watchdog. With
 connector/, this is the only package that imports vLLM (tests/test_layout.py). Its modules import
 vLLM inside the functions that run in the replica: `serve run`'s driver imports the deployment
-classes (serve_app.app) to build the application, and should not pay vLLM's import (~8 s, 0.7 GB
-on 2 cores) for that.
+classes (serve_app.app) to build the application, and should not pay vLLM's import (seconds and
+most of a GB: docs/measured.md) for that.
 """

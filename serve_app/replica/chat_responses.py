@@ -21,6 +21,7 @@ from serve_app.protocol import (
     ResponseMessage,
     Usage,
 )
+from serve_app.replica.sampling import choice_logprobs
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int, output: Any) -> Usage:
@@ -47,8 +48,6 @@ def memory_usage(plan: Any, output: Any) -> MemoryUsage | None:
 
 def logprobs_of(request: ChatCompletionRequest, completion: Any, start: int, tokenizer: Any) -> ChoiceLogprobs | None:
     """OpenAI logprobs of the completion's tokens from `start` on, when the request asked."""
-    from serve_app.replica.sampling import choice_logprobs
-
     return choice_logprobs(completion, start, request.top_logprobs or 0, tokenizer) if request.logprobs else None
 
 

@@ -53,7 +53,7 @@ class EncodeQueue(Protocol):
 
 def _prompt(job: EncodeJob):
     """The capture request's prompt, salted with the fact owner's prefix-cache scope."""
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TokensPrompt  # vLLM: not in `serve run`'s driver
 
     prompt = TokensPrompt(prompt_token_ids=list(job.token_ids))
     if job.cache_salt:
@@ -62,7 +62,7 @@ def _prompt(job: EncodeJob):
 
 
 def _capture_params(job: EncodeJob):
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # vLLM: not in `serve run`'s driver
 
     # made fresh per job: skip_clone spares vLLM's deep copy of it (as its OpenAI protocol does)
     return SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": job.kv_transfer_params()}, skip_clone=True)
@@ -140,7 +140,7 @@ def _log_failure(task: "asyncio.Future[Any]") -> None:
 
 
 def _is_sync_llm(engine: Any) -> bool:
-    from vllm import LLM
+    from vllm import LLM  # vLLM: not in `serve run`'s driver
 
     return isinstance(engine, LLM)
 

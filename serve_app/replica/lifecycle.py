@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import time
@@ -28,8 +29,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import ray
+from ray.exceptions import RayActorError
+
+from connector.engine_config import kv_transfer_config
+from kvarena.arena import ArenaError, FactArena, arena_geometry_for
+from serve_app.replica.engine import build_async_engine
+from serve_app.replica.startup import ReplicaStart
+
 if TYPE_CHECKING:
-    from serve_app.replica.startup import ReplicaStart
     from serve_app.settings import ServiceSettings
 
 logger = logging.getLogger(__name__)
@@ -166,10 +174,6 @@ def one_engine_start_at_a_time(folder: Path, timeout_s: float, poll_s: float = 0
     takes for its KV cache (on 2 CPU cores two starts at once also take twice as long each). A file
     lock in `folder` (the arenas' folder, on this host), per card Ray gave this process; waited for
     at most `timeout_s`, then the start goes ahead anyway."""
-    import fcntl
-
-    import ray
-
     cards = "-".join(str(i) for i in ray.get_gpu_ids()) if ray.is_initialized() else ""
     path = folder / f"kvmem-engine-start{'-gpu' + cards if cards else ''}.lock"
     handle = open(path, "a+")
@@ -191,8 +195,6 @@ def one_engine_start_at_a_time(folder: Path, timeout_s: float, poll_s: float = 0
 
 def _arena_ready(path: Path, geometry: Any) -> bool:
     """Whether an arena with this geometry is already at `path` (left by a previous replica)."""
-    from kvarena.arena import ArenaError, FactArena
-
     try:
         arena = FactArena.open(path)
     except (ArenaError, OSError, ValueError):
@@ -207,9 +209,6 @@ def _live_shard(start: Callable[[], Any], timeout_s: float, fingerprint: str | N
     """The shard actor once it answers; a dying predecessor under the same name is waited out, and
     one started with other settings (`fingerprint`: an earlier deployment's shard, which outlives
     its replicas) is ended and started anew."""
-    import ray
-    from ray.exceptions import RayActorError
-
     deadline = time.monotonic() + timeout_s
     while True:
         actor = start()
@@ -254,8 +253,6 @@ def start_engine_and_shard(
 def _retry_predecessors_jobs(actor: Any, engine_slot: int) -> None:
     """The encode jobs the engine that held this slot before took (its replica died mid-encode) are
     retried now rather than after memory.encode_timeout_s (MemoryShard.engine_started)."""
-    import ray
-
     try:
         retried = ray.get(actor.engine_started.remote(engine_slot), timeout=30)
     except Exception as exc:  # noqa: BLE001 - they are retried after their timeout anyway
@@ -275,8 +272,6 @@ class EngineSlot:
         self.slot: int | None = None
 
     def claim(self) -> int:
-        from kvarena.arena import FactArena
-
         arena = FactArena.open(self.arena_path)
         try:
             self.slot = arena.claim_engine_slot(os.getpid())
@@ -285,8 +280,6 @@ class EngineSlot:
         return self.slot
 
     def release(self) -> None:
-        from kvarena.arena import ArenaError, FactArena
-
         if self.slot is None:
             return
         try:
@@ -307,11 +300,7 @@ def start_backends(
     engine pins under its claimed slot in the shard's arena, and the shard encodes into the
     engine's context (encode_context_tokens = max_model_len). The memory plan comes first and
     sizes the engine and its HBM tier (serve_app.replica.startup; PlanRefused stops the start there)."""
-    from actors.shard_actor import shard_fingerprint, start_shard_actor
-    from connector.engine_config import kv_transfer_config
-    from kvarena.arena import arena_geometry_for
-    from serve_app.replica.engine import build_async_engine
-    from serve_app.replica.startup import ReplicaStart
+    from actors.shard_actor import shard_fingerprint, start_shard_actor  # memory.shard loads torch: not in `serve run`'s driver
 
     start = start or ReplicaStart()
     start.plan_memory(settings, model, kv_dtype)

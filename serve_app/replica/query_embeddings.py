@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from memory.embedder import Embedder
 from serve_app.embeddings_protocol import EmbedderBusy, Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from serve_app.protocol import NotFound, RequestRejected
 
@@ -48,8 +49,6 @@ class QueryEmbeddings:
         self._embedder = self._embed_worker.submit(self._load_embedder)
 
     def _load_embedder(self) -> Any:
-        from memory.embedder import Embedder  # sentence-transformers: only in the replica's process
-
         started = time.perf_counter()
         embedder = Embedder(self.settings.memory.embedding_model, device=self.settings.embeddings.device)
         embedder.embed(["warm up"])  # the first encode's own one-time costs, here rather than in a request

@@ -213,7 +213,7 @@ def one_decision_per_target(decisions: Sequence[Decision]) -> list[Decision]:
 
 def decision_params(num_candidates: int, max_tokens: int = 160):
     """Greedy decoding under the decision schema (vLLM structured outputs)."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # vLLM: not in `serve run`'s driver
     from vllm.sampling_params import StructuredOutputsParams
 
     return SamplingParams(
@@ -237,7 +237,7 @@ async def decide(
     """One validated decision per extracted fact. `search(query, k)` returns the user's closest
     facts (MemoryHit, already user-filtered); those at least `min_score` similar to the fact are
     shown to the model, and a fact with none is an ADD without asking."""
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TokensPrompt  # vLLM: not in `serve run`'s driver
 
     async def one(fact: NewFact, hits: Sequence[MemoryHit]) -> Decision:
         candidates = alias_candidates([h for h in hits if h.score >= min_score])  # only related facts can be named

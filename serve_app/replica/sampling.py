@@ -45,7 +45,7 @@ def vllm_client_errors() -> tuple[type[BaseException], ...]:
     """vLLM's exceptions for a request it refuses (a 4xx): ValueError, and VLLMClientError where
     this vLLM has it (it does not derive from ValueError)."""
     try:
-        from vllm.exceptions import VLLMClientError
+        from vllm.exceptions import VLLMClientError  # vLLM: not in `serve run`'s driver
     except ImportError:  # an older vLLM: its validation errors are ValueErrors
         return (ValueError,)
     return (ValueError, VLLMClientError)
@@ -68,7 +68,7 @@ def engine_errors_as_ours(replica_id: str) -> Iterator[None]:
     it, which held the CPU ingress's event loop for 11 s when an engine core was killed. A refusal
     becomes RequestRejected (400), a dead engine EngineUnavailable naming this replica (503; a chat
     goes on to the shard's other replicas)."""
-    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError  # vLLM: not in `serve run`'s driver
 
     try:
         with refusals_as_rejections():
@@ -79,6 +79,7 @@ def engine_errors_as_ours(replica_id: str) -> Iterator[None]:
 
 @lru_cache(maxsize=1)
 def vllm_chat_request_class() -> type:
+    # vLLM: not in `serve run`'s driver
     try:  # vLLM 0.3x: one protocol module per route family
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmRequest
     except ImportError:  # vLLM 0.2x: one protocol module for the whole OpenAI server
@@ -88,6 +89,7 @@ def vllm_chat_request_class() -> type:
 
 @lru_cache(maxsize=1)
 def vllm_completion_request_class() -> type:
+    # vLLM: not in `serve run`'s driver
     try:  # vLLM 0.3x
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmRequest
     except ImportError:  # vLLM 0.2x
@@ -119,7 +121,7 @@ def completion_sampling_params(request: CompletionRequest, max_tokens: int) -> A
 
 
 def _through_vllm(vllm_request: type, body: dict[str, Any], max_tokens: int, extra_args: dict[str, Any] | None) -> Any:
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind  # vLLM: not in `serve run`'s driver
 
     body.setdefault("temperature", SERVICE_TEMPERATURE)
     if choice_copies(body["temperature"], body.get("n")) > 1:

@@ -2,7 +2,7 @@
 
 One replica per GPU (per engine on CPU). Behind the ChatAPI router each is its own deployment
 (`LLMReplica_<i>`) so the router can send a user to the one replica holding that user's memory;
-with `routing: direct` each is also the HTTP ingress (serve_app.replica.direct_ingress). At start
+with `routing: direct` each is also the HTTP ingress (serve_app.direct_ingress). At start
 the replica starts (or finds) its MemoryShard actor, opens the engine with the KV-memory connector
 over the shard's arena, and runs an EncodeDriver in the background (it picks up facts queued by a
 shard rebuild). A chat with a `user` asks the shard for a plan (top-k facts, token ids,
@@ -30,7 +30,6 @@ from memory.prompting import PromptLayout
 from memory.records import FactEvent, FactRecord, MemoryHit, NewFact, Turn, UnknownFact
 from serve_app.memory_protocol import AddMemoryRequest
 from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, EngineUnavailable, NotFound, RequestRejected
-from serve_app.ingress.errors import RefusalsAreNotFailures
 from serve_app.replica.chat_responses import Choices, ChunkStream, completion_response
 from serve_app.replica.encode_driver import EncodeDriver
 from serve_app.replica.engine import resolve_dtype
@@ -39,6 +38,7 @@ from serve_app.replica.lifecycle import engine_dead, start_backends
 from serve_app.replica.limits import TokenLimits
 from serve_app.replica.metrics import ReplicaMetrics
 from serve_app.replica.reconciliation import reconcile_and_add
+from serve_app.replica.refusal_logs import RefusalsAreNotFailures
 from serve_app.replica.sampling import choice_copies, engine_errors_as_ours, sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
 from serve_app.replica.query_embeddings import QueryEmbeddings
@@ -52,9 +52,8 @@ from serve_app.stage_timings import StageClock, count_positive as _count
 
 logger = logging.getLogger(__name__)
 
-# A conversation this short is templated and tokenized on the event loop: ~0.1 ms on the 2-core CPU
-# (PromptLayout.plain_prompt_ids, 60 characters), less than the hop to a worker thread and back
-# (the `prepare` stage without memory on the H200: 0.9 ms with the hop, 0.74 ms without).
+# A conversation this short is templated and tokenized on the event loop: that costs less than the
+# hop to a worker thread and back (docs/measured.md).
 INLINE_TEMPLATE_CHARS = 2000
 
 logging.getLogger("ray.serve").addFilter(RefusalsAreNotFailures())  # a 4xx is no failed request to log
@@ -71,7 +70,7 @@ def _not_found() -> Iterator[None]:
 
 class MemoryLLM(TextCompletions, QueryEmbeddings):
     """One vLLM engine with its memory shard: the replica's work, whichever deployment runs it
-    (LLMReplica below, behind the ChatAPI router; or serve_app.replica.direct_ingress.ReplicaIngress)."""
+    (LLMReplica below, behind the ChatAPI router; or serve_app.direct_ingress.ReplicaIngress)."""
 
     def __init__(self, settings: ServiceSettings, shard_id: int = 0) -> None:
         from transformers import AutoTokenizer  # the process boundary: module docstring

@@ -21,6 +21,8 @@ import logging
 import time
 from typing import Any
 
+import ray
+
 from actors.shard_calls import ShardHealth
 from actors.shard_client import ShardClient, ShardTimeout
 
@@ -29,8 +31,6 @@ logger = logging.getLogger(__name__)
 
 def kill_for_restart(actor: Any) -> None:
     """Ray kills the actor's process and starts it again (its max_restarts allows it)."""
-    import ray
-
     ray.kill(actor, no_restart=False)
 
 

@@ -33,9 +33,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import psutil  # Ray's own dependency
+import ray
+
 from gpuplan.card import stated_card, visible_card
 from gpuplan.environment import gpu_env_vars, shard_env_vars
 from gpuplan.plan import MemoryPlan, PlanRefused, free_memory_refusal, plan_dict
+from kvarena.arena import ArenaError, FactArena
 from serve_app.card_plan import plan_for
 
 if TYPE_CHECKING:
@@ -53,8 +57,6 @@ class EngineStartFailed(RuntimeError):
 def _process_age_s() -> float | None:
     """Seconds since this process started (the Ray worker's start and imports before the constructor)."""
     try:
-        import psutil  # Ray's own dependency
-
         return max(0.0, time.time() - psutil.Process(os.getpid()).create_time())
     except Exception:  # noqa: BLE001 - a missing number, not a failed start
         return None
@@ -104,8 +106,6 @@ class ReplicaStart:
 
     def record_shard(self, actor: Any, timeout_s: float = 10.0) -> None:
         """The shard's own start phases (its ready() report), and the shard-and-engine start's wall time."""
-        import ray
-
         self.mark("shard_and_engine")
         try:
             self.shard_phases = dict(ray.get(actor.ready.remote(), timeout=timeout_s).get("start_phases") or {})
@@ -184,8 +184,6 @@ class ReplicaStart:
     def prepare_arena(self, path: Path, geometry: Any) -> None:
         """Create the shard's arena here (the shard opens it), so shard and engine start at once. An
         arena of another geometry (other settings) is replaced, as the shard would: its KV is derived."""
-        from kvarena.arena import ArenaError, FactArena
-
         try:
             arena = FactArena.create(path, geometry, exist_ok=True)
         except ArenaError:

@@ -2,8 +2,8 @@
 
 vLLM compiles (torch.compile, inductor) the sampler's rank kernel for logprobs
 (vllm.v1.sample.ops.logprobs.batched_count_greater_than) on the first request that asks for
-logprobs: on two CPU cores the first chat with `logprobs` took 19.7 s, later ones 0.2-0.4 s (issue
-37; 2.95 s against 0.77 s with inductor's on-disk cache already warm: docs/measured.md). One one-token generation with logprobs (sampled at temperature 1, so a sampling kernel compiled on first use,
+logprobs: seconds for the first chat with `logprobs` on a CPU, tenths of a second for later ones (issue
+37, docs/measured.md). One one-token generation with logprobs (sampled at temperature 1, so a sampling kernel compiled on first use,
 vllm.v1.sample.ops.topk_topp_sampler.compiled_random_sample where a platform uses it, is paid too), sent at
 the encoder's priority as soon as an engine is up (at the replica's start, and again when the engine
 is rebuilt in place: serve_app.replica.lifecycle.EngineKeeper), pays it before clients come.

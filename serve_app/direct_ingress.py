@@ -17,6 +17,9 @@ past the count: it takes the shard that has fewer live engines than llm_replicas
 (shard_short_of_engines; the replica it replaces gave its engine slot up). The shard is published
 to the routers through Serve's record_replica_metadata hook; with several replicas per shard
 UserShardRouter sends a user's request to any of them.
+
+It composes the ingress (serve_app.ingress) with the replica (serve_app.replica), so it sits above
+both, beside the builder (serve_app.app): the replica itself imports nothing of the ingress.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from kvarena.arena import ArenaError, FactArena
 from serve_app.card_plan import replica_actor_options
 from serve_app.ingress.admin_routes import AdminRoutes
 from serve_app.ingress.completion_routes import CompletionRoutes
@@ -122,8 +126,6 @@ def shard_short_of_engines(settings: ServiceSettings, wait_s: float = 120.0) -> 
     """The first shard whose arena (on this host) has fewer live engines than llm_replicas_per_shard:
     the shard of the replica being replaced. Waits up to `wait_s` for one (the old replica gives its
     slot up when its engine dies, or frees it when its process ends)."""
-    from kvarena.arena import ArenaError, FactArena
-
     deadline = time.monotonic() + wait_s
     while True:
         for shard in range(settings.llm_replicas):
