@@ -87,11 +87,11 @@ class _Parser:
     def __init__(self) -> None:
         self.conditions = 0
 
-    def cond(self, field: str, op: str, value: Any, key: str | None = None) -> Cond:
+    def cond(self, field: str, operator: str, value: Any, key: str | None = None) -> Cond:
         self.conditions += 1
         if self.conditions > MAX_CONDITIONS:
             raise FilterError("filters", f"more than {MAX_CONDITIONS} conditions")
-        return Cond(field, op, value, key)
+        return Cond(field, operator, value, key)
 
     def node(self, value: Any, where: str) -> Node:
         if not isinstance(value, dict) or not value:
