@@ -103,6 +103,16 @@ class UserDirectory:
         self._remember(self._owners, fact_id, owner)
         return owner
 
+    @redis_unavailable("memory store")
+    async def users(self, num_shards: int, limit: int) -> list[str] | None:
+        """Every user placed on a shard, sorted; None when there are more than `limit`."""
+        found: set[str] = set()
+        for shard in range(num_shards):
+            if await self.r.scard(self.keys.shard_users(shard)) + len(found) > limit:
+                return None
+            found |= {member.decode() for member in await self.r.smembers(self.keys.shard_users(shard))}
+        return sorted(found)
+
     def forget_user(self, user_id: str) -> None:
         """After the user's memory was erased (its placement is gone from Redis too)."""
         self._shards.pop(user_id, None)

@@ -39,6 +39,7 @@ from serve_app.ingress import mem0_unimplemented  # noqa: F401 - registers the M
 from serve_app.ingress.mem0_routes import Mem0Routes
 from serve_app.ingress.openai_routes import OpenAIRoutes
 from serve_app.ingress.responses_routes import ResponsesRoutes
+from serve_app.ingress.webhook_routes import WebhookRoutes
 from serve_app.ingress.routes import api
 from serve_app.replica.lifecycle import engine_dead
 from serve_app.replica.server import MemoryLLM
@@ -91,7 +92,7 @@ class LocalCalls:
         return _LocalMethod(getattr(self._target, name), self._stream)
 
 
-class ReplicaIngress(Mem0Routes, CompletionRoutes, OpenAIRoutes, ResponsesRoutes, AdminRoutes, MemoryLLM):
+class ReplicaIngress(Mem0Routes, WebhookRoutes, CompletionRoutes, OpenAIRoutes, ResponsesRoutes, AdminRoutes, MemoryLLM):
     """An LLM replica that is its own HTTP ingress (see the module docstring)."""
 
     def __init__(self, settings: ServiceSettings) -> None:

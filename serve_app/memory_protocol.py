@@ -7,9 +7,10 @@ same thing:
 - this service's own (POST /v1/memories, /v1/memories/search): `user_id` at the top level, plus
   facts given directly, turns with their dialogue ids, `wait_for_kv`, `reconcile`;
 - the Mem0 platform's v3 (POST /v3/memories/add/, /v3/memories/, /v3/memories/search/), as the
-  official `mem0ai` client sends it: the user in `filters` ({"user_id": ...}), `top_k`.
+  official `mem0ai` client sends it: the user in `filters` (add: {"user_id": ...}; get_all and
+  search: Mem0's v2 filter trees, serve_app.memory_filters), `top_k`.
 Everything is bounded in characters and counts (the replica bounds tokens); unknown fields and
-filters on anything but `user_id` are refused by name (400), never ignored.
+filters this service cannot read are refused by name (400), never ignored.
 """
 
 from __future__ import annotations
@@ -173,12 +174,17 @@ class Mem0AddRequest(BaseModel):
         return AddMemoryRequest(user_id=user, messages=self.messages, metadata=self.metadata, infer=self.infer)
 
 
+Mem0Filters = Annotated[dict[str, Any], Field(description="Mem0's v2 filters (serve_app.memory_filters): AND / OR / NOT over "
+                                              "user_id, created_at, updated_at, metadata, keywords, memory_ids, ...")]
+
+
 class Mem0ListRequest(BaseModel):
-    """POST /v3/memories/ (get_all): `{"filters": {"user_id": ...}}`; page and page_size are query parameters."""
+    """POST /v3/memories/ (get_all): `{"filters": {...}}` (Mem0's v2 filters); page and page_size are query parameters."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    filters: UserFilter
+    filters: Mem0Filters
+    version: Literal["v1", "v2"] | None = Field(None, description="Mem0's API version; both read filters the same way.")
 
 
 class Mem0SearchRequest(BaseModel):
@@ -187,12 +193,10 @@ class Mem0SearchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     query: str = Field(..., min_length=1, max_length=MAX_TURN_CHARS)
-    filters: UserFilter
+    filters: Mem0Filters
     top_k: int = Field(10, gt=0, le=MAX_SEARCH_RESULTS)
     threshold: float | None = Field(None, allow_inf_nan=False)
-
-    def as_search(self) -> SearchMemoryRequest:
-        return SearchMemoryRequest(user_id=self.filters.user_id, query=self.query, limit=self.top_k, threshold=self.threshold)
+    version: Literal["v1", "v2"] | None = Field(None, description="Mem0's API version; both read filters the same way.")
 
 
 # ---------------------------------------------------------------------- answers
@@ -242,6 +246,12 @@ class MemoryItem(BaseModel):
             source_id=record.source_id, session_time=record.session_time,
             kv=getattr(record, "kv", None), kv_error=getattr(record, "kv_error", None), kv_attempts=getattr(record, "kv_attempts", None),
         )
+
+
+class FilteredSearchHit(MemoryItem):
+    """A memory as the Mem0 search route answers it: the whole memory and its score, most relevant first."""
+
+    score: float
 
 
 class MemorySearchHit(BaseModel):

@@ -24,6 +24,7 @@ from memory.settings import MemorySettings
 from serve_app.engine_settings import ENGINE_KWARGS_SET_BY_THE_REPLICA, EngineSettings  # noqa: F401 - the settings' engine block
 from serve_app.api_settings import EmbeddingsSettings, ResponsesSettings, embedding_model_name
 from serve_app.client_limits import MAX_FACT_CHARS, MAX_FACTS_PER_ADD, MAX_TURN_CHARS, MAX_TURNS_PER_ADD, AdmissionSettings
+from serve_app.webhook_settings import WebhookSettings
 
 DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"  # the embedded default's folder in the model cache
 DEFAULT_SERVED_NAME = "smollm2-135m-instruct"  # what the API calls the embedded default
@@ -206,6 +207,9 @@ class ServiceSettings(BaseSettings):
     )
     responses: ResponsesSettings = Field(
         default_factory=ResponsesSettings, description="The Responses API's stored responses (previous_response_id): how long, how many per key."
+    )
+    webhooks: WebhookSettings = Field(
+        default_factory=WebhookSettings, description="Memory events POSTed, signed, to the URLs keys register (Mem0's webhooks)."
     )
     replica_call_timeout_s: float = Field(
         300.0, gt=0, description="Most seconds the ingress waits for a replica's answer (or its next streamed chunk)."

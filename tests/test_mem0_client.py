@@ -143,8 +143,10 @@ def test_the_mem0_client_refuses_a_wrong_key_and_the_service_refuses_what_it_doe
     bea = _client(service, keys["bea"])
     with pytest.raises(ValidationError, match="agent_id"):  # memories are kept per user only: named, not ignored
         bea.add("I like tea.", user_id="bea", agent_id="helper")
-    with pytest.raises(ValidationError, match="agent_id"):
-        bea.search("tea", filters={"user_id": "bea", "agent_id": "helper"})
+    # a filter on agent_id is read as Mem0 reads it: this service keeps no agents, so no memory has that agent
+    assert bea.search("tea", filters={"user_id": "bea", "agent_id": "helper"})["results"] == []
+    with pytest.raises(ValidationError, match="bogus_key"):  # a key Mem0's filters do not have: named
+        bea.search("tea", filters={"user_id": "bea", "bogus_key": "z"})
     with pytest.raises(ValidationError, match="metadata"):
         bea.add("I like tea.", user_id="bea", infer=False, metadata={"blob": "x" * 5000})
     assert bea.get_all(filters={"user_id": "bea"})["count"] == 0  # the refused adds stored nothing
@@ -153,7 +155,8 @@ def test_the_mem0_client_refuses_a_wrong_key_and_the_service_refuses_what_it_doe
 # --------------------------------------------------------------------------- every method of the installed clients
 # What each public method of mem0ai's clients is here. The sets are compared with the installed client's methods
 # (introspection), so a client version with a method not listed here fails the test and shows it.
-IMPLEMENTED = {"add", "get", "get_all", "search", "update", "delete", "delete_all", "history"}
+IMPLEMENTED = {"add", "get", "get_all", "search", "update", "delete", "delete_all", "history",
+               "get_webhooks", "create_webhook", "update_webhook", "delete_webhook"}  # webhooks: tests/test_webhooks.py
 RAISE_IN_THE_CLIENT = {"chat": NotImplementedError}  # raises without sending a request
 
 
@@ -214,10 +217,6 @@ def _unimplemented_calls(client: Any, fact_id: str) -> dict[str, Callable[[], An
         "update_profile_settings": lambda: c.update_profile_settings(enabled=True),
         "get_project": lambda: c.get_project(),
         "update_project": lambda: c.update_project(custom_instructions="Keep it short."),
-        "get_webhooks": lambda: c.get_webhooks("project-1"),
-        "create_webhook": lambda: c.create_webhook("https://example.com/hook", "hook", "project-1", ["memory_add"]),
-        "update_webhook": lambda: c.update_webhook(1, name="hook"),
-        "delete_webhook": lambda: c.delete_webhook(1),
         "project.get": lambda: p.get(),
         "project.create": lambda: p.create("another"),
         "project.update": lambda: p.update(custom_instructions="Keep it short."),
@@ -235,6 +234,7 @@ def test_every_method_of_the_installed_mem0_clients_works_or_answers_501_naming_
 
     from mem0 import AsyncMemoryClient, MemoryClient
     from mem0.client.project import AsyncProject, Project
+    from mem0.exceptions import MemoryNotFoundError, ValidationError
 
     from serve_app.ingress.mem0_unimplemented import NOT_IMPLEMENTED
 
@@ -258,6 +258,17 @@ def test_every_method_of_the_installed_mem0_clients_works_or_answers_501_naming_
         assert [e["event"] for e in await client.history(fact_id)] == ["ADD", "UPDATE"]
         with pytest.raises(NotImplementedError):
             await client.chat()
+        # webhooks (delivery: tests/test_webhooks.py); by default no loopback or private target, refused at create
+        assert await client.get_webhooks(client.project_id) == []
+        with pytest.raises(ValidationError, match="allow_private_targets"):
+            await client.create_webhook("http://127.0.0.1:9/hook", "local", client.project_id, ["memory_add"])
+        with pytest.raises(ValidationError, match="allow_private_targets"):
+            await client.create_webhook("http://10.1.2.3/hook", "private", client.project_id, ["memory_add"])
+        with pytest.raises(MemoryNotFoundError):
+            await client.update_webhook("wh_" + "0" * 24, name="none such")
+        with pytest.raises(MemoryNotFoundError):
+            await client.delete_webhook(1)
+        assert await client.get_webhooks(client.project_id) == []
         await client.delete(fact_id)
         await client.delete_all(user_id="ann")
         assert (await client.get_all(filters={"user_id": "ann"}))["count"] == 0

@@ -48,10 +48,6 @@ NOT_IMPLEMENTED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("POST", PROJECT + "members/", ("project.add_member",)),
     ("PUT", PROJECT + "members/", ("project.update_member",)),
     ("DELETE", PROJECT + "members/", ("project.remove_member",)),
-    ("GET", "/api/v1/webhooks/projects/{project_id}/", ("get_webhooks",)),
-    ("POST", "/api/v1/webhooks/projects/{project_id}/", ("create_webhook",)),
-    ("PUT", "/api/v1/webhooks/{webhook_id}/", ("update_webhook",)),
-    ("DELETE", "/api/v1/webhooks/{webhook_id}/", ("delete_webhook",)),
 )
 
 

@@ -16,6 +16,7 @@ from serve_app.ingress import mem0_unimplemented  # noqa: F401 - registers the M
 from serve_app.ingress.mem0_routes import Mem0Routes
 from serve_app.ingress.openai_routes import OpenAIRoutes
 from serve_app.ingress.responses_routes import ResponsesRoutes
+from serve_app.ingress.webhook_routes import WebhookRoutes
 from serve_app.ingress.routes import api
 from serve_app.ingress.shard_availability import ShardAvailability
 from serve_app.settings import ServiceSettings
@@ -24,7 +25,7 @@ from serve_app.shard_routing import shard_hint
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress(api)
-class ChatAPI(Mem0Routes, CompletionRoutes, OpenAIRoutes, ResponsesRoutes, AdminRoutes):
+class ChatAPI(Mem0Routes, WebhookRoutes, CompletionRoutes, OpenAIRoutes, ResponsesRoutes, AdminRoutes):
     """user -> shard (assigned once, kept in Redis, cached here) -> the handle of that shard's
     LLMReplica deployment; a shard whose replica Serve is replacing answers 503 at once
     (serve_app.ingress.shard_availability) instead of queueing the request until it is back."""

@@ -187,6 +187,14 @@ class ChatRoutes:
                 raise error from exc
             raise
 
+    def _memory_events(self, user_id: str, events: list[tuple[str, str, str | None]]) -> None:
+        """A memory write's events ((ADD | UPDATE | DELETE, memory id, text)), once it is answered: the
+        webhooks' (serve_app.ingress.webhook_routes); nothing here."""
+
+    async def _wants_events(self, user_id: str, event: str) -> bool:
+        """Whether some webhook wants `user_id`'s `event`s (then delete_all lists what it erases)."""
+        return False
+
     # ------------------------------------------------------------------ chat
     @api.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
@@ -272,7 +280,9 @@ class ChatRoutes:
         if too_large is not None:  # 413 before anything is stored (settings add_limits)
             message, param = too_large
             raise HTTPException(413, message) from RequestRejected(message, param, "request_too_large")
-        return await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
+        added = await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
+        self._memory_events(request.user_id, [(r["event"], r["id"], None if r["event"] == "DELETE" else r.get("memory")) for r in added["results"]])
+        return added
 
     @memory_route("GET", "/v1/memories")
     async def list_memories(
@@ -307,7 +317,9 @@ class ChatRoutes:
     ) -> MemoryItem:
         replica, owner = await self._replica_of_fact(principal, fact_id, user_id, "writes")
         call = replica.update.remote(fact_id, owner, request.text, metadata=request.metadata, wait_for_kv=request.wait_for_kv)
-        return MemoryItem.of(await self._answer(call))
+        updated = MemoryItem.of(await self._answer(call))
+        self._memory_events(owner, [("UPDATE", fact_id, updated.memory)])
+        return updated
 
     @memory_route("DELETE", "/v1/memories/{fact_id}")
     async def delete_memory(
@@ -315,6 +327,7 @@ class ChatRoutes:
     ) -> dict[str, Any]:
         replica, owner = await self._replica_of_fact(principal, fact_id, user_id, "writes")
         await self._answer(replica.delete.remote(fact_id, owner))
+        self._memory_events(owner, [("DELETE", fact_id, None)])
         return {"message": f"memory {fact_id} deleted"}
 
     @memory_route("DELETE", "/v1/memories")
@@ -322,7 +335,10 @@ class ChatRoutes:
         self, user_id: str = Query(..., min_length=1, max_length=256), principal: Principal = Depends(caller),
     ) -> dict[str, Any]:
         await self._authorize(principal, user_id, "writes")
-        deleted = await self._answer((await self._replica_of_user(user_id)).delete_all.remote(user_id))
+        replica = await self._replica_of_user(user_id)
+        erased = [r.fact_id for r in await self._answer(replica.get_all.remote(user_id))] if await self._wants_events(user_id, "DELETE") else []
+        deleted = await self._answer(replica.delete_all.remote(user_id))
+        self._memory_events(user_id, [("DELETE", fact_id, None) for fact_id in erased])
         self.directory.forget_user(user_id)  # its placement is erased with its memory
         try:
             await self.responses.forget_user(user_id)  # and the responses stored for it (memory.response_store)
