@@ -64,6 +64,7 @@ from serve_app.memory_protocol import (
     MemorySearchHit,
     SearchMemoryRequest,
     UpdateMemoryRequest,
+    add_answer,
 )
 from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, RequestRejected
 from serve_app.settings import ServiceSettings
@@ -272,7 +273,8 @@ class ChatRoutes:
         if too_large is not None:  # 413 before anything is stored (settings add_limits)
             message, param = too_large
             raise HTTPException(413, message) from RequestRejected(message, param, "request_too_large")
-        return await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
+        result = await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
+        return add_answer(result)  # Mem0's shape, made here at the edge
 
     @memory_route("GET", "/v1/memories")
     async def list_memories(
@@ -291,7 +293,7 @@ class ChatRoutes:
     ) -> dict[str, list[MemorySearchHit]]:
         await self._authorize(principal, request.user_id, "reads")
         replica = await self._replica_of_user(request.user_id)
-        hits = await self._answer(replica.search.remote(request.user_id, request.query, request.limit))
+        hits = await self._answer(replica.search.remote(request.user_id, request.query, top_k=request.limit))  # Mem0's v1 name, `limit`
         floor = request.threshold
         return {"results": [MemorySearchHit.of(h, request.user_id) for h in hits if floor is None or h.score >= floor]}
 
