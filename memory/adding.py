@@ -16,14 +16,30 @@ actor's calls run one at a time: actors.shard_actor); the messages are memory.ad
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 from memory.add_plan import AddBatch, AddCommit, AddPlan, AddResult, FactDecision, FactOutcome
 from memory.fairness import EncodeBacklogFull
-from memory.records import NewFact, Turn, UnknownFact
+from memory.records import FactRecord, NewFact, Turn, UnknownFact
 
-if TYPE_CHECKING:
-    from memory.shard import MemoryShard
+
+class MemoryShard(Protocol):
+    """What an add uses of memory.shard.MemoryShard (named here, not imported: the shard imports this)."""
+
+    shard_id: int
+    settings: Any  # memory.settings.MemorySettings
+    store: Any  # memory.fact_store.FactStore
+    kv: Any  # memory.kv_lifecycle.FactKVLifecycle
+    facts: dict[str, Any]
+    selector: Any  # memory.fact_selection.FactSelector
+    embedder: Any  # memory.embedder.Embedder
+    read_repair: Any  # memory.read_repair.ReadRepair
+
+    def track_version(self, record: FactRecord, vector: Any) -> None: ...
+
+    def update(self, fact_id: str, user_id: str, text: str, metadata: dict[str, Any] | None = None) -> FactRecord: ...
+
+    def delete(self, fact_id: str, user_id: str) -> FactRecord: ...
 
 
 def check_encode_backlog(shard: MemoryShard, user_id: str, new_facts: int) -> None:
