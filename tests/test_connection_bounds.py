@@ -7,6 +7,8 @@ answers on a FastAPI app built like the service's, and the proxy guard on a real
   time is answered 408 and closed (nothing sent, or headers dripping); headers past the byte bound
   431; a client address past its connection cap gets 429 and is closed while another address
   (127.0.0.2) is served; kept-alive requests are served as before.
+A request the proxy leaves unanswered (its replica died inside it) is 503 with Retry-After
+(serve_app.ingress.unanswered).
 The same bounds in the running service (Serve's proxy loading the guard): tests/test_hostile_serve.py.
 """
 
@@ -160,3 +162,38 @@ def test_an_address_past_its_connection_cap_is_refused_while_another_is_served(g
     assert read_all(again).startswith(b"HTTP/1.1 200 ")
     for sock in held + [other]:
         sock.close()
+
+
+# ------------------------------------------------------------------------------ a replica lost mid-request
+async def silent(scope, receive, send) -> None:
+    """What Serve's proxy app does when the replica dies inside a request: returns without answering."""
+
+
+async def crashing(scope, receive, send) -> None:
+    raise RuntimeError("a bug")
+
+
+def test_what_the_proxy_leaves_unanswered_is_503_with_retry_after_and_answers_pass() -> None:
+    from serve_app.ingress.proxy_guard import install
+    from serve_app.ingress.unanswered import AnsweredOr503
+
+    import uvicorn.config
+
+    saved = dict(uvicorn.config.HTTP_PROTOCOLS)
+    try:
+        middlewares = install()  # what Serve's proxy applies, as http_util._apply_middlewares does
+    finally:
+        uvicorn.config.HTTP_PROTOCOLS.clear()
+        uvicorn.config.HTTP_PROTOCOLS.update(saved)  # install() sets this process's uvicorn protocol
+    assert [m.cls for m in middlewares] == [AnsweredOr503]
+    wrap = lambda app: middlewares[0].cls(app, **middlewares[0].kwargs)  # noqa: E731
+    before = AnsweredOr503.answered_503
+    answer = TestClient(wrap(silent)).post("/v1/chat/completions", json={})
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+    assert answer.json()["error"]["code"] == "replica_unavailable"
+    assert AnsweredOr503.answered_503 == before + 1
+    answer = TestClient(wrap(hello)).get("/health")
+    assert (answer.status_code, answer.text) == (200, "ok")  # an answer passes untouched
+    assert AnsweredOr503.answered_503 == before + 1
+    with pytest.raises(RuntimeError, match="a bug"):  # an exception stays one (uvicorn's 500 says so)
+        TestClient(wrap(crashing)).get("/health")

@@ -1,6 +1,7 @@
 """The environment that keeps JAX, TensorFlow and CuPy from pooling the card (gpuplan.environment), as the
 service sets it on its LLM replicas (Serve deployments' ray_actor_options) and its shard actors
-(start_shard_actor's runtime_env), checked without starting Ray; and bm25s imported without JAX.
+(start_shard_actor's runtime_env), checked without starting Ray; bm25s imported without JAX; and the
+host tier's pages allocated ahead of the engine's pin (serve_app.replica.startup.commit_host_tier).
 
 Issue 34: on an H100 the shard went from 0.6 to 60 GiB one second into its start (bm25s imports
 jax when installed; JAX preallocates 75% of the card), and vLLM then refused to start.
@@ -123,3 +124,17 @@ def test_the_keyword_index_never_imports_jax(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "False"] and not marker.exists()
+
+
+def test_the_host_tier_is_allocated_ahead_of_the_pin(tmp_path) -> None:
+    """commit_host_tier turns the arena's sparse kv.bin into allocated pages, contents unchanged (zeros)."""
+    from serve_app.replica.startup import commit_host_tier
+
+    kv = tmp_path / "kv.bin"
+    with open(kv, "wb") as f:
+        f.truncate(8 << 20)  # sparse, as kvarena.arena.FactArena.create makes it
+    assert os.stat(kv).st_blocks * 512 < (8 << 20)
+    assert commit_host_tier(kv) is not None
+    assert os.stat(kv).st_blocks * 512 >= (8 << 20) and os.stat(kv).st_size == 8 << 20
+    assert kv.read_bytes() == bytes(8 << 20)
+    assert commit_host_tier(tmp_path / "missing.bin") is None  # a failure is a warning, not a failed start

@@ -146,6 +146,7 @@ class ServiceUnderTest:
 
     def environment(self) -> dict[str, str]:
         from devtools.local_redis import LocalRedis
+        from serve_app.ingress.proxy_guard import CALLBACK
 
         self.redis = LocalRedis(self.redis_dir, own_session=True).start()
         site = Path("/tmp/site")
@@ -159,6 +160,9 @@ class ServiceUnderTest:
             KVMEM_AUTH__ADMIN_KEY=self.admin_key,
             KVMEM_MEMORY__INDEX__CAGRA_MIN_VECTORS="256",  # a graph over the bench's few thousand facts
             PYTHONPATH=f"{site}:{ROOT}",
+            # Serve's proxy loads the connection bounds and the 503 for a request whose replica died, as
+            # scripts/serve.sh (make serve, make serve-gpu) and the KubeRay manifests set it
+            RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=CALLBACK,
             **self.overrides,
         )
         libs = [str(site / lib) for lib in CUVS_LIBS if (site / lib).is_dir()]

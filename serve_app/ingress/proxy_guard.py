@@ -11,7 +11,9 @@ deadline is the gate's (`body_timeout_s`).
 
 Serve's one hook into its proxy process is RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH: a callable
 the proxy calls at start, before its uvicorn server is configured, for a list of middlewares.
-`install` is that callable: it returns no middleware and registers GuardedHttpToolsProtocol as
+`install` is that callable: it returns one middleware, serve_app.ingress.unanswered.AnsweredOr503 (a
+request whose replica died inside it is answered 503 with Retry-After, not uvicorn's bare 500), and
+registers GuardedHttpToolsProtocol as
 uvicorn's "auto" HTTP protocol in this process (uvicorn resolves the protocol class by that name
 when the server starts). That is the only change to uvicorn, and only in the proxy's process:
 
@@ -35,6 +37,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from serve_app.client_limits import ProxySettings
+from serve_app.ingress.unanswered import AnsweredOr503
 
 logger = logging.getLogger(__name__)
 PROTOCOL_PATH = f"{__name__}:GuardedHttpToolsProtocol"
@@ -140,10 +143,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 def install() -> list[Any]:
     """RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH's callable: makes GuardedHttpToolsProtocol the
-    proxy's uvicorn protocol (settings from KVMEM_PROXY_* now); no middleware."""
+    proxy's uvicorn protocol (settings from KVMEM_PROXY_* now) and returns the AnsweredOr503 middleware."""
     import uvicorn.config
+    from starlette.middleware import Middleware
 
     GuardedHttpToolsProtocol.settings = ProxySettings()
     uvicorn.config.HTTP_PROTOCOLS["auto"] = PROTOCOL_PATH
     logger.info("proxy guard installed: %s", GuardedHttpToolsProtocol.settings.model_dump())
-    return []
+    return [Middleware(AnsweredOr503)]

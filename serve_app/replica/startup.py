@@ -11,7 +11,8 @@ also sets gpuplan.environment's variables the process lacks):
   retries the constructor (3 times for one replica) and marks the deployment DEPLOY_FAILED with
   the message (docs/gpu.md, "Failing fast").
 - prepare_arena: the replica creates the shard's arena (the shard opens it), so the shard actor
-  and the engine start at once on a first start too (serve_app.replica.lifecycle).
+  and the engine start at once on a first start too (serve_app.replica.lifecycle); with a GPU plan
+  it allocates the host tier's pages on a thread (commit_host_tier) while vLLM loads.
 - engine_overrides / device_pages: the plan's gpu_memory_utilization for vLLM and its HBM-tier
   pages for the connector; explicit settings pass through unchanged.
 - explain_engine_failure: an engine that cannot start (vLLM refusing its memory) is reported with
@@ -27,6 +28,7 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -191,7 +193,34 @@ class ReplicaStart:
             shutil.rmtree(path)
             arena = FactArena.create(path, geometry)
         arena.close()
+        if self.plan is not None:  # a GPU engine pins the host tier: commit its pages meanwhile (commit_host_tier)
+            threading.Thread(target=commit_host_tier, args=(path / "kv.bin",), name="commit-host-tier", daemon=True).start()
         self.mark("arena")
 
 
-__all__ = ["EngineStartFailed", "PlanRefused", "ReplicaStart"]
+def commit_host_tier(kv_file: Path) -> float | None:
+    """Allocate every page of the host tier's file (posix_fallocate) and return the seconds it took.
+
+    kv.bin is created sparse. On a GPU the engine's worker pins it whole with cudaHostRegister
+    (connector.host_pinning), which faults its pages in one by one on the engine's start path (12 GiB
+    took about 12 s on the H100 visit, docs/gpu.md). Allocated here, in the replica, while vLLM is being
+    imported and its engine core spawned, the pin only maps pages that exist. The memory is the same
+    (the pin commits all of it anyway); fallocate releases the GIL. A failure only costs the time back.
+    """
+    began = time.monotonic()
+    try:
+        fd = os.open(kv_file, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        logger.warning("the host tier's pages were not allocated ahead of the pin (%s): the pin faults them in", exc)
+        return None
+    took = time.monotonic() - began
+    logger.info("allocated the host tier (%.1f GiB, %s) in %.1f s, ahead of the engine's pin", size / 2**30, kv_file, took)
+    return took
+
+
+__all__ = ["EngineStartFailed", "PlanRefused", "ReplicaStart", "commit_host_tier"]
