@@ -119,3 +119,17 @@ def test_a_reconciled_add_makes_two_shard_round_trips_whatever_it_extracts(shard
     for item in add_answer(result)["results"]:  # Mem0's shape, made at the edge
         keys = {"id", "memory", "event"} | ({"previous_memory"} if item["event"] == "UPDATE" else set())
         assert set(item) == keys
+
+
+def test_an_add_of_given_facts_and_turns_makes_the_same_two_round_trips(shard: MemoryShard, smollm2_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    transport = CountingActor(ShardClient.in_process(shard).actor)
+    service = ServiceSettings(engine={"model": str(smollm2_dir), "max_model_len": 2048}, memory=shard.settings)
+    adds = MemoryAdds(lambda: None, PromptLayout(tokenizer), ShardClient(transport, timeout_s=300),
+                      TokenLimits(PromptLayout(tokenizer), service), shard.settings, lambda u: u)  # no engine: nothing to extract
+    turns = [{"turn_id": f"D1:{i}", "speaker": "Una", "text": f"I said thing {i}."} for i in range(3)]
+    request = AddMemoryRequest.model_validate({"user_id": "una", "turns": turns, "facts": ["Una sails.", "Una sings."], "source_id": "D1:2"})
+    result = asyncio.run(adds.add(request))
+    assert transport.calls == ["prepare_add", "commit_add"]
+    assert [o.event for o in result.outcomes] == ["ADD", "ADD"] and result.extraction is None
+    assert [t.turn_id for t in shard.store.window_before("una", "D1:2", 5)] == ["D1:0", "D1:1"]  # placed in the add's order
