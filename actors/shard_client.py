@@ -1,7 +1,8 @@
 """ShardClient: typed calls from an LLM replica to its MemoryShard Ray actor.
 
-Every call the replica makes into the shard's process goes through one method here, named and
-typed like the shard's own (memory.shard.MemoryShard), each bounded by a timeout. Ray wraps an
+Every call the replica makes into the shard's process goes through one method here, one per
+operation of memory.interface.MemoryInterface (which MemoryShard implements), with its names and
+parameters (tests/test_memory_interface.py checks them), each bounded by a timeout. Ray wraps an
 exception raised inside the actor; the client re-raises the shard's own exception (UnknownFact,
 ArenaError, ...) so callers handle domain errors, not Ray's wrapper.
 
@@ -27,7 +28,8 @@ import ray
 from actors.plan_channel import PlanChannelTimeout, PlanClient, PlanExpired
 from actors.shard_calls import PROBE_GROUP, CallExpired, ShardHealth
 from memory.chat_query import ChatQuery
-from memory.records import FactEvent, FactRecord, NewFact, Turn
+from memory.add_plan import AddBatch, AddCommit, AddPlan, AddResult
+from memory.records import FactEvent, FactRecord
 from memory.planner import ChatPlan
 from memory.records import MemoryHit
 from memory.kv_lifecycle import EncodeJob, EncodeOutcome
@@ -111,21 +113,13 @@ class ShardClient:
         return await self._call(self.actor.stats)
 
     # ---------------------------------------------------------------- writes
-    async def next_turn_order(self, user_id: str) -> float:
-        return await self._call(self.actor.next_turn_order, user_id)
+    async def prepare_add(self, batch: AddBatch) -> AddPlan:
+        """An add's checks and reconcile candidates, in one round trip (memory.add_plan)."""
+        return await self._call(self.actor.prepare_add, batch)
 
-    async def check_room(self, user_id: str, facts: Sequence[NewFact] = (), turns: Sequence[Turn] = ()) -> None:
-        """QuotaExceeded (memory.records) unless the user has room for all of them."""
-        await self._call(self.actor.check_room, user_id, list(facts), list(turns))
-
-    async def add_turns(self, user_id: str, turns: Sequence[Turn]) -> None:
-        await self._call(self.actor.add_turns, user_id, list(turns))
-
-    async def check_encode_backlog(self, user_id: str, new_facts: int) -> None:
-        await self._call(self.actor.check_encode_backlog, user_id, new_facts)
-
-    async def add_facts(self, user_id: str, facts: Sequence[NewFact]) -> list[dict[str, Any]]:
-        return await self._call(self.actor.add_facts, user_id, list(facts))
+    async def commit_add(self, commit: AddCommit) -> AddResult:
+        """An add's writes, in one round trip (memory.add_plan)."""
+        return await self._call(self.actor.commit_add, commit)
 
     async def update(self, fact_id: str, user_id: str, text: str, metadata: dict[str, Any] | None = None) -> FactRecord:
         return await self._call(self.actor.update, fact_id, user_id, text, metadata)
@@ -146,8 +140,8 @@ class ShardClient:
     async def history(self, fact_id: str, user_id: str) -> list[FactEvent]:
         return await self._call(self.actor.history, fact_id, user_id)
 
-    async def search(self, user_id: str, query: str, k: int) -> list[MemoryHit]:
-        return await self._call(self.actor.search, user_id, query, k)
+    async def search(self, user_id: str, query: str, top_k: int) -> list[MemoryHit]:
+        return await self._call(self.actor.search, user_id, query, top_k)
 
     async def plan_chat(self, query: ChatQuery) -> ChatPlan:
         """The shard's plan for a chat, over the plan channel when there is one (ShardTimeout when
@@ -160,8 +154,9 @@ class ShardClient:
             raise ShardTimeout(f"memory shard did not plan in time: {exc}") from None
 
     # ---------------------------------------------------------------- encoding (memory.kv_lifecycle)
-    async def take_encode_jobs(self, max_jobs: int | None = None) -> list[EncodeJob]:
-        return await self._call(self.actor.take_encode_jobs, max_jobs, self.engine_slot)
+    async def take_encode_jobs(self, max_jobs: int | None = None, engine_slot: int | None = None) -> list[EncodeJob]:
+        slot = self.engine_slot if engine_slot is None else engine_slot
+        return await self._call(self.actor.take_encode_jobs, max_jobs, slot)
 
     async def complete_encode_jobs(self, outcomes: dict[str, EncodeOutcome]) -> int:
         return await self._call(self.actor.complete_encode_jobs, outcomes)

@@ -21,7 +21,7 @@ min-score filter such as reconciliation's never admits a fact on its keyword sco
 Time: a fact's session date ("1:56 pm on 8 May, 2023", or ISO) is written into its keyword
 document as "8 May 2023", so "what did she do in May 2023" matches the facts of that session.
 Turn context: with `turn_context`, the text of the fact's source turn (the conversation turn it
-was extracted from, stored by add_turns) is part of its keyword document too: a question uses the
+was extracted from, stored by an add's commit_add) is part of its keyword document too: a question uses the
 speaker's words, which the one-sentence fact may have paraphrased away.
 
 Consistency: the keyword index holds exactly the facts the vector index holds (the shard calls

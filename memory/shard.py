@@ -49,7 +49,8 @@ from memory.embedder import Embedder
 from memory.erasure import RedisCompactor
 from memory.fact_selection import FactSelector
 from memory.fact_store import FactStore
-from memory.fairness import EncodeBacklogFull
+from memory import adding
+from memory.add_plan import AddBatch, AddCommit, AddPlan, AddResult, FactOutcome
 from memory.records import FactEvent, FactRecord, MemoryHit, NewFact, Turn
 from memory.index import build_index
 from memory.kv_lifecycle import PREFIX_KEY, EncodeJob, EncodeOutcome, FactKV, FactKVLifecycle
@@ -188,47 +189,21 @@ class MemoryShard:
         return "ok"
 
     # ================================================================== writes
-    def add_turns(self, user_id: str, turns: Sequence[Turn]) -> None:
-        self.store.claim_user(user_id, self.shard_id)
-        self.store.add_turns(user_id, list(turns))
+    def prepare_add(self, batch: AddBatch) -> AddPlan:
+        """An add's checks (encode backlog, quotas: 429 before the engine decides anything) and its
+        extracted facts' reconcile candidates, in one call (memory.adding, memory.add_plan)."""
+        return adding.prepare(self, batch)
 
-    def check_room(self, user_id: str, facts: Sequence[NewFact] = (), turns: Sequence[Turn] = ()) -> None:
-        """QuotaExceeded unless the user has room for all of them (memory.fact_store.FactStore.check_room):
-        the replica asks before an add's first write, so an add past a quota stores nothing."""
-        self.store.check_room(user_id, [NewFact.model_validate(f) for f in facts], list(turns))
+    def commit_add(self, commit: AddCommit) -> AddResult:
+        """An add's writes, checked again with nothing of the shard in between: turns, the model's
+        UPDATE / DELETE / NONE, the new facts (memory.adding, memory.add_plan)."""
+        return adding.commit(self, commit)
 
-    def next_turn_order(self, user_id: str) -> float:
-        return self.store.last_turn_order(user_id) + 1.0
-
-    def add_facts(self, user_id: str, facts: Sequence[NewFact]) -> list[dict[str, Any]]:
-        """Store, embed and index facts; queue their encoding. Returns one Mem0-style result per
-        fact ({"id", "memory", "event": "ADD" | "NONE"}); NONE means the fact already existed."""
-        facts = [NewFact.model_validate(f) for f in facts]
-        if not facts:
-            return []
-        self.check_encode_backlog(user_id, len(facts))
-        self.read_repair.repair(user_id)
-        self.store.check_room(user_id, facts)  # the batch whole or nothing (quotas)
-        embeddings = self.embedder.embed([f.text for f in facts])
-        results = []
-        with self.read_repair.writing(user_id):
-            self.store.claim_user(user_id, self.shard_id)
-            for fact, embedding in zip(facts, embeddings):
-                record, created = self.store.add(user_id, fact, embedding)
-                if created or record.fact_id not in self.facts:
-                    self.track_version(record, embedding)
-                results.append({"id": record.fact_id, "memory": record.text, "event": "ADD" if created else "NONE"})
-        return results
-
-    def check_encode_backlog(self, user_id: str, new_facts: int) -> None:
-        """Raise EncodeBacklogFull (429) when `new_facts` more would put the user past
-        max_pending_encodes_per_user facts waiting for their KV (memory.fairness)."""
-        bound = self.settings.max_pending_encodes_per_user
-        if bound and (pending := self.kv.pending(user_id)) + new_facts > bound:
-            raise EncodeBacklogFull(
-                f"user {user_id!r} has {pending} facts waiting for their KV; {new_facts} more would pass the bound of "
-                f"{bound} (memory.max_pending_encodes_per_user): retry after the backlog drains"
-            )
+    def add_facts(self, user_id: str, facts: Sequence[NewFact]) -> list[FactOutcome]:
+        """Facts stored as given: commit_add of a batch of given facts (tests and scripts seed a
+        shard in process with this; the replica's adds go through prepare_add and commit_add)."""
+        batch = AddBatch(user_id=user_id, given=[NewFact.model_validate(f) for f in facts])
+        return list(self.commit_add(AddCommit(batch=batch)).outcomes)
 
     def update(self, fact_id: str, user_id: str, text: str, metadata: dict[str, Any] | None = None) -> FactRecord:
         """New text (and metadata, when given), new embedding, new KV; the old KV is released and
@@ -298,12 +273,12 @@ class MemoryShard:
     def history(self, fact_id: str, user_id: str | None = None) -> list[FactEvent]:
         return self.store.history(fact_id, user_id)
 
-    def search(self, user_id: str, query: str, k: int) -> list[MemoryHit]:
-        """The user's top-k facts for `query`, most similar first."""
-        if k <= 0:
+    def search(self, user_id: str, query: str, top_k: int) -> list[MemoryHit]:
+        """The user's top_k facts for `query`, most similar first."""
+        if top_k <= 0:
             return []
         self.read_repair.repair(user_id)
-        return self.selector.search(user_id, query, k)
+        return self.selector.search(user_id, query, top_k)
 
     def plan_chat(self, query: ChatQuery) -> ChatPlan:
         """The prompt for a chat: facts chosen by memory.fact_selection, laid out by
@@ -323,14 +298,14 @@ class MemoryShard:
         return plan
 
     # ================================================================== encoding
-    def take_encode_jobs(self, max_jobs: int | None = None, engine_slot: int = 0) -> list[EncodeJob]:
+    def take_encode_jobs(self, max_jobs: int | None = None, engine_slot: int | None = None) -> list[EncodeJob]:
         """Allocate arena entries for queued facts and hand out their capture jobs to the engine in
         `engine_slot` (the encode driver polls this, so an unsure user is repaired here too, even
         if they never come back)."""
         if self.read_repair.unsure:
             self.read_repair.repair()
         self.retrieval.refresh()  # rebuild written users' keyword indexes here, off the chat path
-        return self.kv.take_jobs(max_jobs or self.settings.encode_batch, self.settings.encode_batch_tokens, engine_slot)
+        return self.kv.take_jobs(max_jobs or self.settings.encode_batch, self.settings.encode_batch_tokens, engine_slot or 0)
 
     def engine_started(self, engine_slot: int) -> int:
         """A new engine serves this shard in `engine_slot` (a replica started or replaced): the encode

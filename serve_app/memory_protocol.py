@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from memory.add_plan import AddResult
 from memory.records import FactEvent, FactRecord, MemoryHit
 from serve_app.client_limits import MAX_FACT_CHARS, MAX_FACTS_PER_ADD, MAX_TURN_CHARS, MAX_TURNS_PER_ADD
 from serve_app.protocol import MAX_ID_CHARS, MAX_REQUEST_CHARS, NonBlank, bounded_depth, json_depth
@@ -285,3 +286,15 @@ class MemoryHistoryItem(BaseModel):
             id=f"{event.fact_id}-{event.version}-{event.event.lower()}", memory_id=event.fact_id, event=event.event,
             version=event.version, old_memory=event.old_text, new_memory=event.new_text, created_at=iso_time(event.at),
         )
+
+
+def add_answer(result: AddResult) -> dict[str, Any]:
+    """An add's answer in Mem0's shape: {"results": [{"id", "memory", "event", "previous_memory"?}],
+    "extraction"?} (`previous_memory` on UPDATEs; `extraction` when facts were extracted: memory.grounding)."""
+    results = []
+    for outcome in result.outcomes:
+        item = {"id": outcome.fact_id, "memory": outcome.text, "event": outcome.event}
+        if outcome.event == "UPDATE":
+            item["previous_memory"] = outcome.previous_text
+        results.append(item)
+    return {"results": results, **({"extraction": result.extraction.model_dump()} if result.extraction is not None else {})}

@@ -25,7 +25,7 @@ def test_encodes_are_salted_per_user_like_their_chats(smollm2_dir, redis_server)
     settings = shard_settings(window_turns=0)
     shard = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=uuid.uuid4().hex[:8])
     try:
-        ids = {user: shard.add_facts(user, [NewFact(text="Likes green tea.")])[0]["id"] for user in ("lea", "max")}
+        ids = {user: shard.add_facts(user, [NewFact(text="Likes green tea.")])[0].fact_id for user in ("lea", "max")}
         jobs = shard.take_encode_jobs()
         salts = {job.key: job.cache_salt for job in jobs}
         assert salts[ids["lea"]] == user_salt(settings.redis_prefix, "lea")
@@ -45,7 +45,7 @@ def test_an_encode_batch_is_bounded_in_prompt_tokens(smollm2_dir, redis_server) 
     shard = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=uuid.uuid4().hex[:8])
     try:
         shard.complete_encode_jobs({job.job_id: None for job in shard.take_encode_jobs()})  # the prefix, if queued
-        ids = [r["id"] for r in shard.add_facts("nia", [NewFact(text=f"Nia's note number {i} is about {i} kites.") for i in range(8)])]
+        ids = [r.fact_id for r in shard.add_facts("nia", [NewFact(text=f"Nia's note number {i} is about {i} kites.") for i in range(8)])]
         seen: list[str] = []
         sizes: list[int] = []
         while batch := shard.take_encode_jobs():

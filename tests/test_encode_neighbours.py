@@ -108,7 +108,7 @@ def test_a_capture_in_flight_behind_a_neighbour_that_changes_never_goes_live(mem
     shard = memory.shard
     nurse, walks = add_one_by_one(memory, NURSE, WALKS)
     (added,) = shard.add_facts("alice", [NewFact(text=BEAGLE)])
-    beagle = added["id"]
+    beagle = added.fact_id
     jobs = shard.take_encode_jobs()
     (job,) = [j for j in jobs if j.key == beagle]
     assert "every morning" in shard.layout.tokenizer.decode(job.token_ids)

@@ -26,6 +26,7 @@ from connector.engine_config import kv_transfer_config
 from devtools.local_redis import LocalRedis
 from memory.erasure import RedisCompactor
 from memory.fact_store import FactStore
+from memory.add_plan import AddBatch, AddCommit
 from memory.records import NewFact, Turn
 from memory.settings import ErasureSettings
 from memory.shard import MemoryShard
@@ -148,11 +149,11 @@ def test_deleted_facts_and_users_leave_no_text_tokens_or_kv_in_redis_files_or_th
         replaced_text = "Alice's old bank PIN hint was Marzipan-Crocodile."  # updated: its old KV must go
         user_texts = ["Bob's secret recipe uses twelve Moravian cardamom pods.", "Bob once met a heron called Snerdwick."]
         turn_text = "Bob said his password hint is the colour of Tuesday-Oolong."
-        shard.add_turns("bob", [Turn(turn_id="t1", speaker="Bob", text=turn_text, order=0)])
+        shard.commit_add(AddCommit(batch=AddBatch(user_id="bob", turns=[Turn(turn_id="t1", speaker="Bob", text=turn_text, order=0)])))
         alice = shard.add_facts("alice", [NewFact(text=t) for t in [*kept_texts, deleted_text, replaced_text]])
         bob = shard.add_facts("bob", [NewFact(text=t) for t in user_texts])
         asyncio.run(driver.drain())  # every fact's KV is captured into the arena
-        ids = {r["memory"]: r["id"] for r in alice + bob}
+        ids = {r.text: r.fact_id for r in alice + bob}
         assert all(shard.kv.status(fact_id)["kv"] == "live" for fact_id in ids.values())
 
         def arena_traces(text: str, fact_id: str | None = None) -> tuple[bytes, bytes]:

@@ -62,7 +62,7 @@ class ShardWithEngine:
         self.driver = EncodeDriver(ShardClient.in_process(self.shard), self.llm)
 
     def add(self, user: str, texts: list[str]) -> list[str]:
-        return [r["id"] for r in self.shard.add_facts(user, [NewFact(text=t) for t in texts])]
+        return [r.fact_id for r in self.shard.add_facts(user, [NewFact(text=t) for t in texts])]
 
     def encode_all(self) -> int:
         return asyncio.run(self.driver.drain())

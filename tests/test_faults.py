@@ -27,6 +27,7 @@ import requests
 from devtools.local_redis import LocalRedis
 from kvarena.arena import FactArena
 from memory.fact_store import FactStore
+from memory.add_plan import AddBatch, AddCommit
 from memory.records import NewFact, Turn
 from memory.kv_lifecycle import entry_tag
 from tests.fault_checks import NAMESPACE, check_nothing_lost_or_leaked, cmdline_of, seeded_fault_service, shard_pid_and_arena
@@ -150,8 +151,8 @@ def test_an_encode_that_keeps_failing_is_retried_a_bounded_number_of_times(engin
     try:
         llm = engine_factory.offline(smollm2_dir, engine={"max_model_len": 256}, kv_transfer_config=kv_transfer_config(shard.arena_path()))
         turns = [Turn(turn_id=f"T{i}", speaker="Ugo", text="I talked about my garden at length. " * 12, order=i) for i in range(4)]
-        shard.add_turns("ugo", turns)
-        (doomed,) = [r["id"] for r in shard.add_facts("ugo", [NewFact(text="Ugo grows leeks.", source_id="T3")])]
+        added = shard.commit_add(AddCommit(batch=AddBatch(user_id="ugo", turns=turns, given=[NewFact(text="Ugo grows leeks.", source_id="T3")])))
+        (doomed,) = [o.fact_id for o in added.outcomes]
         started = time.monotonic()
         asyncio.run(EncodeDriver(ShardClient.in_process(shard), llm, batch=4).drain(deadline_s=120))
         assert time.monotonic() - started < 60 and shard.pending_encodes() == 0  # it ended: no endless retries

@@ -66,7 +66,7 @@ class Memory:
     def add(self, user: str, *texts: str) -> list[str]:
         results = self.shard.add_facts(user, [NewFact(text=t) for t in texts])
         asyncio.run(self.driver.drain())
-        return [r["id"] for r in results]
+        return [r.fact_id for r in results]
 
     def run(self, plan, max_tokens: int = 16, logprobs: int | None = None):
         return run_plan(self.llm, plan, max_tokens, logprobs)
@@ -265,7 +265,7 @@ def test_a_fact_deleted_or_updated_while_encoding_never_goes_live(smollm2_dir, r
     settings = shard_settings(window_turns=0)
     shard = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=uuid.uuid4().hex[:8])
     try:
-        doomed, changed = [r["id"] for r in shard.add_facts("kim", [NewFact(text="Kim owns a kayak."), NewFact(text="Kim lives in Bergen.")])]
+        doomed, changed = [r.fact_id for r in shard.add_facts("kim", [NewFact(text="Kim owns a kayak."), NewFact(text="Kim lives in Bergen.")])]
         jobs = {job.key: job for job in shard.take_encode_jobs()}
         refs = {key: EntryRef(job.entry, job.generation) for key, job in jobs.items()}
         shard.delete(doomed, "kim")
@@ -310,9 +310,9 @@ def test_a_restarted_shard_adopts_the_kv_it_recognises_and_encodes_only_the_rest
     namespace = uuid.uuid4().hex[:8]
     first = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=namespace)
     try:
-        kept, gone = [r["id"] for r in first.add_facts("lea", [NewFact(text="Lea sails."), NewFact(text="Lea sings.")])]
+        kept, gone = [r.fact_id for r in first.add_facts("lea", [NewFact(text="Lea sails."), NewFact(text="Lea sings.")])]
         _encode_all(first)  # prefix and both facts live
-        (late,) = [r["id"] for r in first.add_facts("lea", [NewFact(text="Lea skis.")])]
+        (late,) = [r.fact_id for r in first.add_facts("lea", [NewFact(text="Lea skis.")])]
         (in_flight,) = first.take_encode_jobs()  # a capture the dead incarnation never reported
         first.arena.pin(first.facts[kept].ref.entry_id, first.facts[kept].ref.generation)  # a request in the engine
         first.store.delete(gone, "lea")  # committed in Redis; the shard died before it released the KV
@@ -340,7 +340,7 @@ def test_an_encode_that_keeps_failing_is_given_up_with_its_reason_visible(smollm
     settings = shard_settings(window_turns=0)
     shard = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=uuid.uuid4().hex[:8])
     try:
-        (doomed,) = [r["id"] for r in shard.add_facts("max", [NewFact(text="Max rows boats.")])]
+        (doomed,) = [r.fact_id for r in shard.add_facts("max", [NewFact(text="Max rows boats.")])]
         for attempt in range(1, settings.max_encode_attempts + 1):
             jobs = shard.take_encode_jobs()  # the first time with the prefix's, which succeeds
             assert [job.key for job in jobs if job.key != PREFIX_KEY] == [doomed]
@@ -356,7 +356,7 @@ def test_an_encode_that_keeps_failing_is_given_up_with_its_reason_visible(smollm
         assert plan.prefilled_fact_ids == [doomed] and shard.pending_encodes() == 0  # served as text, not queued again
         assert shard.stats()["entries_writing"] == 0 and shard.stats()["entries_live"] == 1  # nothing leaked
 
-        (spared,) = [r["id"] for r in shard.add_facts("max", [NewFact(text="Max bakes bread.")])]
+        (spared,) = [r.fact_id for r in shard.add_facts("max", [NewFact(text="Max bakes bread.")])]
         for _ in range(5):  # the engine was down: not run, not counted
             assert [job.key for job in _encode_all(shard, None)] == [spared]
         assert shard.get(spared, "max").kv_attempts == 0 and shard.get(spared, "max").kv == "queued"
@@ -371,14 +371,14 @@ def test_eviction_passes_over_pinned_entries(smollm2_dir, redis_server) -> None:
     settings = shard_settings(window_turns=0)
     shard = MemoryShard(0, settings, str(smollm2_dir), "float32", redis_server.url, namespace=uuid.uuid4().hex[:8])
     try:
-        ids = [r["id"] for r in shard.add_facts("ola", [NewFact(text=f"Ola has {i} cats.") for i in range(3)])]
+        ids = [r.fact_id for r in shard.add_facts("ola", [NewFact(text=f"Ola has {i} cats.") for i in range(3)])]
         _encode_all(shard)
         geometry = shard.arena.geometry
         shard.arena.page_owner[shard.arena.page_owner < 0] = 10**6  # no free page left
         lru = list(shard.kv.lru)  # least recently used first
         oldest, second = shard.facts[lru[0]].ref, shard.facts[lru[1]].ref
         shard.arena.pin(oldest.entry_id, oldest.generation)  # a request injects the least recently used fact
-        (new,) = [r["id"] for r in shard.add_facts("ola", [NewFact(text="Ola has a dog.")])]
+        (new,) = [r.fact_id for r in shard.add_facts("ola", [NewFact(text="Ola has a dog.")])]
         _encode_all(shard)
         assert shard.facts[new].ref is not None and shard.facts[lru[0]].ref == oldest  # the pinned one stayed
         assert shard.facts[lru[1]].ref is None and shard.arena.state_of(second) in ("free", "stale")

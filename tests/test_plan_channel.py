@@ -17,6 +17,7 @@ import pytest
 from actors.plan_channel import PlanChannelTimeout, PlanClient, PlanServer, plan_channel_address
 from actors.shard_actor import ShardActor
 from actors.shard_client import ShardClient, ShardTimeout
+from memory.add_plan import AddBatch, AddCommit
 from memory.chat_query import ChatQuery
 from memory.planner import ChatPlan
 from memory.shard import MemoryShard
@@ -220,7 +221,7 @@ def test_every_public_shard_method_but_the_probes_runs_under_the_lock() -> None:
     from actors.shard_actor import UNLOCKED
 
     public = [name for name in vars(MemoryShard) if not name.startswith("_") and callable(getattr(MemoryShard, name))]
-    assert "plan_chat" in public and "add_facts" in public and UNLOCKED == {"health", "ready"}
+    assert "plan_chat" in public and "commit_add" in public and UNLOCKED == {"health", "ready"}
     for name in public:
         if name in UNLOCKED:
             assert not hasattr(getattr(ShardActor, name), "shard_method"), name
@@ -247,7 +248,8 @@ def test_the_shard_actor_plans_over_its_channel_as_over_ray_also_after_a_restart
 
         async def plans() -> list[ChatPlan]:
             for text in facts:
-                await over_ray.add_facts("sam" if text.startswith("Sam") else "dana", [NewFact(text=text)])
+                batch = AddBatch(user_id="sam" if text.startswith("Sam") else "dana", given=[NewFact(text=text)])
+                await over_ray.commit_add(AddCommit(batch=batch))
             question = [{"role": "user", "content": "What is my dog called?"}]
             query = ChatQuery(user_id="dana", messages=question, top_k=2)
             return [await client.plan_chat(query) for client in (over_ray, over_channel)]

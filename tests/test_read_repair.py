@@ -85,7 +85,7 @@ def test_an_add_redis_applied_but_never_answered_is_adopted_once_redis_is_back(s
 def test_a_lost_delete_is_never_retrieved_and_a_lost_update_serves_the_new_text(shard: MemoryShard, server: LocalRedis) -> None:
     user = f"u-{uuid.uuid4().hex[:6]}"
     results = shard.add_facts(user, [NewFact(text="I live in Lyon."), NewFact(text="I play the cello.")])
-    lyon, cello = (r["id"] for r in results)
+    lyon, cello = (r.fact_id for r in results)
     real_delete = shard.store.delete
     shard.store.delete = losing_the_reply(server, real_delete)
     with pytest.raises(redis.exceptions.ConnectionError):

@@ -2,8 +2,8 @@
 
 The decision's schema, prompt, aliasing and validation are plain functions: tested on answers a
 model could give (malformed, unknown alias, another user's fact). The decisions are applied
-through a real MemoryShard (real Redis, real embedder) behind the typed ShardClient, so history
-events and ownership checks are the shard's own.
+by a real MemoryShard's commit_add (real Redis, real embedder) behind the typed ShardClient, so
+history events and ownership checks are the shard's own.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from actors.shard_client import ShardClient
+from memory.add_plan import AddBatch, AddCommit
 from memory.records import NewFact
 from memory.index.settings import IndexSettings
 from memory.records import MemoryHit
@@ -27,7 +28,6 @@ from serve_app.replica.reconciliation import (
     Candidate,
     Decision,
     alias_candidates,
-    apply_decisions,
     decide as decide_all,
     decision_messages,
     decision_schema,
@@ -119,11 +119,9 @@ def test_one_change_per_existing_fact() -> None:
 
 
 def test_a_fact_with_no_related_memory_is_added_without_asking_the_model() -> None:
-    async def search(query: str, k: int) -> list[MemoryHit]:
-        return [MemoryHit("f-cat", "I have a cat called Miso.", 0.09)]
-
+    candidates = [[MemoryHit("f-cat", "I have a cat called Miso.", 0.09)]]
     engine = None  # never reached: nothing is related enough to be shown
-    out = asyncio.run(decide_all(engine, None, search, [BERLIN], top_k=5, min_score=0.3, fits=lambda t: True))
+    out = asyncio.run(decide_all(engine, None, [BERLIN], candidates, min_score=0.3, fits=lambda t: True))
     assert [(d.event, d.target, d.note) for d in out] == [("ADD", None, "no related memory")]
 
 
@@ -144,8 +142,8 @@ def shard(smollm2_dir: Path, redis_server):
 
 def test_decisions_land_in_history_and_never_touch_another_users_fact(shard: MemoryShard) -> None:
     client = ShardClient.in_process(shard)
-    leeds, cat = (r["id"] for r in shard.add_facts("ivy", [NewFact(text="I live in Leeds."), NewFact(text="I have a cat.")]))
-    (foreign,) = (r["id"] for r in shard.add_facts("olaf", [NewFact(text="I live in Oslo.")]))
+    leeds, cat = (r.fact_id for r in shard.add_facts("ivy", [NewFact(text="I live in Leeds."), NewFact(text="I have a cat.")]))
+    (foreign,) = (r.fact_id for r in shard.add_facts("olaf", [NewFact(text="I live in Oslo.")]))
     hits = shard.search("ivy", BERLIN.text, 5)
     assert {h.fact_id for h in hits} == {leeds, cat}  # the search only ever offers ivy's facts
     by_id = {c.fact_id: c for c in alias_candidates(hits)}
@@ -156,10 +154,11 @@ def test_decisions_land_in_history_and_never_touch_another_users_fact(shard: Mem
         Decision("UPDATE", NewFact(text="I like Oslo."), forged, "I like Oslo."),
         Decision("DELETE", NewFact(text="I never lived in Oslo."), forged),
     ]
-    results = asyncio.run(apply_decisions(client, "ivy", decisions))
-    events = [(r["event"], r["memory"]) for r in results]
+    batch = AddBatch(user_id="ivy", extracted=[d.fact for d in decisions], reconcile=True)
+    results = asyncio.run(client.commit_add(AddCommit(batch=batch, decisions=[d.message() for d in decisions]))).outcomes
+    events = [(r.event, r.text) for r in results]
     assert events[:2] == [("UPDATE", "I live in Berlin now."), ("DELETE", "I have a cat.")]
-    assert results[0]["id"] == leeds and results[0]["previous_memory"] == "I live in Leeds."
+    assert results[0].fact_id == leeds and results[0].previous_text == "I live in Leeds."
     assert sorted(events[2:]) == [("ADD", "I gave my cat away."), ("ADD", "I like Oslo."), ("ADD", "I never lived in Oslo.")]
     assert shard.get(foreign, "olaf").text == "I live in Oslo." and shard.get(foreign).version == 1  # untouched
     assert [e.event for e in shard.history(foreign)] == ["ADD"]

@@ -140,8 +140,8 @@ def test_the_shard_actor_opens_redis_with_the_password(
         )
         ray.get(actor.ready.remote(), timeout=300)
         (added,) = ray.get(actor.add_facts.remote("dave", [NewFact(text="Dave keeps bees.")]), timeout=120)
-        assert added["event"] == "ADD"
-        assert admin_client(protected_redis).exists(RedisKeys(memory.redis_prefix).fact(added["id"])), "not in Redis"
+        assert added.event == "ADD"
+        assert admin_client(protected_redis).exists(RedisKeys(memory.redis_prefix).fact(added.fact_id)), "not in Redis"
         assert [fact.text for fact in ray.get(actor.get_all.remote("dave"), timeout=60)] == ["Dave keeps bees."]
     finally:
         ray.shutdown()

@@ -26,6 +26,7 @@ from actors.shard_client import ShardClient
 from bench.kit.results import progress as progress_bar
 from bench.kit.results import table, write_result
 from bench.kit.stage import DEFAULT_LOCOMO
+from memory.add_plan import AddBatch, AddCommit
 from memory.records import NewFact, Turn
 from serve_app.replica.encode_driver import EncodeDriver
 
@@ -74,14 +75,14 @@ async def ingest(
     """Record turns, then add and encode facts batch by batch; returns counts and rates."""
     driver = EncodeDriver(shard, engine, batch=max(batch, 1))
     started = time.perf_counter()
-    await shard.add_turns(user_id, turns)
+    await shard.commit_add(AddCommit(batch=AddBatch(user_id=user_id, turns=turns)))  # placed after the user's last turn
     acked: list[str] = []
     bar = progress_bar(total=len(facts), desc=f"ingest {user_id}", unit="fact", disable=not progress)
     for i in range(0, len(facts), batch):
-        results = await shard.add_facts(user_id, facts[i : i + batch])
-        acked += [r["id"] for r in results]
+        added = await shard.commit_add(AddCommit(batch=AddBatch(user_id=user_id, given=facts[i : i + batch])))
+        acked += [o.fact_id for o in added.outcomes]
         await driver.drain()
-        bar.update(len(results))
+        bar.update(len(added.outcomes))
         if after_batch is not None:
             after_batch(len(acked))
     bar.close()

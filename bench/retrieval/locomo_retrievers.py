@@ -7,7 +7,7 @@ Every retriever is a memory.retrieval.RetrievalSettings: the defaults of that cl
 shard ships) with the fields of RETRIEVERS[name] overridden. Each conversation is one user of
 one Retriever; each fact is tracked as a FactRecord as the shard tracks it (source_id = its first
 cited turn, session_time = its session's date), and the source turn's text comes from the
-conversation (what add_turns stored, as bench/ingest/ingest_locomo.py records it).
+conversation (what commit_add stored, as bench/ingest/ingest_locomo.py records it).
 
 Protocol: the few global settings (rrf_k, keyword_weight, time_keyword_boost, expansion, rerank)
 were chosen on the first half of the conversations (0-3 of locomo8.json; `--tune` prints that grid

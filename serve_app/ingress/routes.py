@@ -64,6 +64,7 @@ from serve_app.memory_protocol import (
     MemorySearchHit,
     SearchMemoryRequest,
     UpdateMemoryRequest,
+    add_answer,
 )
 from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, RequestRejected
 from serve_app.settings import ServiceSettings
@@ -280,9 +281,10 @@ class ChatRoutes:
         if too_large is not None:  # 413 before anything is stored (settings add_limits)
             message, param = too_large
             raise HTTPException(413, message) from RequestRejected(message, param, "request_too_large")
-        added = await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
-        self._memory_events(request.user_id, [(r["event"], r["id"], None if r["event"] == "DELETE" else r.get("memory")) for r in added["results"]])
-        return added
+        result = await self._answer((await self._replica_of_user(request.user_id)).add_memory.remote(request))
+        answer = add_answer(result)  # Mem0's shape, made here at the edge
+        self._memory_events(request.user_id, [(r["event"], r["id"], None if r["event"] == "DELETE" else r.get("memory")) for r in answer["results"]])
+        return answer
 
     @memory_route("GET", "/v1/memories")
     async def list_memories(
@@ -301,7 +303,7 @@ class ChatRoutes:
     ) -> dict[str, list[MemorySearchHit]]:
         await self._authorize(principal, request.user_id, "reads")
         replica = await self._replica_of_user(request.user_id)
-        hits = await self._answer(replica.search.remote(request.user_id, request.query, request.limit))
+        hits = await self._answer(replica.search.remote(request.user_id, request.query, top_k=request.limit))  # Mem0's v1 name, `limit`
         floor = request.threshold
         return {"results": [MemorySearchHit.of(h, request.user_id) for h in hits if floor is None or h.score >= floor]}
 

@@ -1,7 +1,7 @@
 """Reconciling extracted facts with the user's memory on add (Mem0's update phase).
 
 For every fact extracted from a message, the user's closest existing facts are retrieved (the
-shard's search, user-filtered); those at least memory.reconcile_min_score similar to it are shown
+shard's prepare_add, user-filtered); those at least memory.reconcile_min_score similar to it are shown
 to the served model under short integer aliases ("0", "1", ...; never the real ids), and a fact
 with none is added without asking. The model answers one decision per new fact, JSON-guided
 by a schema (vLLM structured outputs, greedy):
@@ -10,16 +10,17 @@ by a schema (vLLM structured outputs, greedy):
 
 ADD stores the new fact; UPDATE replaces the aliased fact's text (a new version: history event
 UPDATE, its KV re-encoded); DELETE removes the aliased fact (history event DELETE) and stores the
-new fact (unlike Mem0, see apply_decisions); NONE stores nothing (the memory already holds it).
+new fact (unlike Mem0, see memory.adding.apply); NONE stores nothing (the memory already holds it).
 
 Every decision is validated before anything is applied (`parse_decision`): an answer that is not
 the schema's JSON, an alias that was not shown, a target less similar to the new fact than
 memory.reconcile_min_score, or a second change of a fact another decision already changes falls
 back to ADD; an UPDATE's text must be grounded in the two facts (else the new fact's text is
 written); a fact text already in memory is NONE. Only facts the search returned for this user
-can be named, and the shard's update and delete check the owner again. The pieces without the
-engine (schema, prompt, parsing, aliasing, validation) are plain functions; `decide` runs them
-around the engine, `apply_decisions` through the shard, `reconcile_and_add` both (the replica's add).
+can be named, and the shard's commit_add checks the owner again (memory.adding). The pieces
+without the engine (schema, prompt, parsing, aliasing, validation) are plain functions; `decide`
+runs them around the engine, on the candidates the shard's prepare_add found
+(serve_app.replica.adding: the replica's add).
 
 What SmolLM2-135M-Instruct decides here: docs/memory.md, "Reconciliation".
 """
@@ -32,16 +33,15 @@ import logging
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
-from memory.records import NewFact, UnknownFact
-from memory.records import MemoryHit
-from memory.settings import MemorySettings
+from memory.add_plan import AddEvent as Event
+from memory.add_plan import FactDecision
+from memory.records import MemoryHit, NewFact
 from serve_app.replica.scheduling import MEMORY_WRITE_PRIORITY
 
 logger = logging.getLogger(__name__)
 
-Event = Literal["ADD", "UPDATE", "DELETE", "NONE"]
 EVENTS: tuple[Event, ...] = ("ADD", "UPDATE", "DELETE", "NONE")
 
 RECONCILE_INSTRUCTION = (
@@ -88,6 +88,14 @@ class Decision:
     text: str | None = None  # UPDATE: the new text of target
     note: str | None = None  # why the model's proposal was not taken as it was
     raw: str | None = None  # the model's answer, as generated
+
+    def message(self) -> FactDecision:
+        """The decision as the shard's commit_add takes it (memory.add_plan)."""
+        target = self.target
+        return FactDecision(
+            event=self.event, fact=self.fact, text=self.text,
+            target_id=target.fact_id if target is not None else None, target_text=target.text if target is not None else None,
+        )  # fmt: skip
 
 
 def alias_candidates(hits: Sequence[MemoryHit]) -> list[Candidate]:
@@ -226,91 +234,37 @@ def decision_params(num_candidates: int, max_tokens: int = 160):
 async def decide(
     engine: Any,
     layout: Any,
-    search: Callable[[str, int], Any],
     facts: Sequence[NewFact],
+    candidates: Sequence[Sequence[MemoryHit]],
     *,
-    top_k: int,
     min_score: float,
     fits: Callable[[str], bool],
     cache_salt: str | None = None,
 ) -> list[Decision]:
-    """One validated decision per extracted fact. `search(query, k)` returns the user's closest
-    facts (MemoryHit, already user-filtered); those at least `min_score` similar to the fact are
-    shown to the model, and a fact with none is an ADD without asking."""
+    """One validated decision per extracted fact. `candidates[i]` are the user's closest facts to
+    `facts[i]` (MemoryHit, user-filtered: the shard's AddPlan, all found before any change, so every
+    fact sees the same memory); those at least `min_score` similar are shown to the model, and a
+    fact with none is an ADD without asking. The facts are decided concurrently."""
     from vllm.inputs import TokensPrompt  # vLLM: not in `serve run`'s driver
 
     async def one(fact: NewFact, hits: Sequence[MemoryHit]) -> Decision:
-        candidates = alias_candidates([h for h in hits if h.score >= min_score])  # only related facts can be named
-        if not candidates:
+        shown = alias_candidates([h for h in hits if h.score >= min_score])  # only related facts can be named
+        if not shown:
             return Decision("ADD", fact, note="no related memory")
-        messages = decision_messages(fact.text, candidates)
+        messages = decision_messages(fact.text, shown)
         prompt = TokensPrompt(prompt_token_ids=await asyncio.to_thread(layout.plain_prompt_ids, messages))
         if cache_salt:
             prompt["cache_salt"] = cache_salt
         final = None
-        params = decision_params(len(candidates))
+        params = decision_params(len(shown))
         async for output in engine.generate(prompt, params, request_id=f"reconcile-{uuid.uuid4().hex}", priority=MEMORY_WRITE_PRIORITY):
             final = output
         raw = final.outputs[0].text if final is not None else ""
-        decision = parse_decision(raw, fact, candidates, min_score=min_score, fits=fits)
-        logger.info("reconcile %r against %s: %s -> %s", fact.text, [c.text for c in candidates], raw, decision.event)
+        decision = parse_decision(raw, fact, shown, min_score=min_score, fits=fits)
+        logger.info("reconcile %r against %s: %s -> %s", fact.text, [c.text for c in shown], raw, decision.event)
         return decision
 
-    hits = [await search(fact.text, top_k) for fact in facts]  # before any change: every fact sees the same memory
-    decisions = await asyncio.gather(*(one(f, h) for f, h in zip(facts, hits)))
+    if len(candidates) != len(facts):
+        raise ValueError(f"{len(facts)} facts but candidates for {len(candidates)}")
+    decisions = await asyncio.gather(*(one(f, h) for f, h in zip(facts, candidates)))
     return one_decision_per_target(decisions)
-
-
-async def apply_decisions(shard: Any, user_id: str, decisions: Sequence[Decision]) -> list[dict[str, Any]]:
-    """Apply validated decisions through the shard (add_facts, update, delete: each lands in the
-    fact's history). Returns Mem0's add results: {"id", "memory", "event", "previous_memory"?}.
-
-    DELETE removes the target and still adds the new fact (Mem0 drops it): the new fact is what
-    the user just said, so a DELETE proposed where an UPDATE was meant loses nothing. A target gone
-    meanwhile (UnknownFact): UPDATE falls back to ADD, DELETE only adds."""
-    results: list[dict[str, Any]] = []
-    adds: list[NewFact] = []
-    for d in decisions:
-        target = d.target
-        if d.event == "UPDATE" and target is not None:
-            try:
-                record = await shard.update(target.fact_id, user_id, d.text or d.fact.text)
-            except UnknownFact:
-                logger.info("reconcile: memory %s is gone; ADD %r instead", target.fact_id, d.fact.text)
-                adds.append(d.fact)
-                continue
-            results.append({"id": record.fact_id, "memory": record.text, "event": "UPDATE", "previous_memory": target.text})
-        elif d.event == "DELETE" and target is not None:
-            try:
-                await shard.delete(target.fact_id, user_id)
-                results.append({"id": target.fact_id, "memory": target.text, "event": "DELETE"})
-            except UnknownFact:
-                pass
-            adds.append(d.fact)
-        elif d.event == "NONE" and target is not None:
-            results.append({"id": target.fact_id, "memory": target.text, "event": "NONE"})
-        else:
-            adds.append(d.fact)
-    return results + await shard.add_facts(user_id, adds)
-
-
-async def reconcile_and_add(
-    engine: Any,
-    layout: Any,
-    shard: Any,
-    user_id: str,
-    facts: Sequence[NewFact],
-    settings: MemorySettings,
-    fits: Callable[[str], bool],
-    cache_salt: str | None = None,
-) -> list[dict[str, Any]]:
-    """Decide (served model, validated) and apply: the add results of extracted facts."""
-
-    async def search(query: str, k: int) -> list[MemoryHit]:
-        return await shard.search(user_id, query, k)
-
-    decisions = await decide(
-        engine, layout, search, facts,
-        top_k=settings.reconcile_top_k, min_score=settings.reconcile_min_score, fits=fits, cache_salt=cache_salt,
-    )  # fmt: skip
-    return await apply_decisions(shard, user_id, decisions)

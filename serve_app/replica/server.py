@@ -27,17 +27,17 @@ from actors.plan_channel import PlanClient, plan_channel_address
 from actors.shard_client import ShardClient
 from memory.composition import key_salt, user_salt
 from memory.prompting import PromptLayout
-from memory.records import FactEvent, FactRecord, MemoryHit, NewFact, Turn, UnknownFact
+from memory.add_plan import AddResult
+from memory.records import FactEvent, FactRecord, MemoryHit, UnknownFact
 from serve_app.memory_protocol import AddMemoryRequest
 from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, EngineUnavailable, NotFound, RequestRejected
+from serve_app.replica.adding import MemoryAdds
 from serve_app.replica.chat_responses import Choices, ChunkStream, completion_response
 from serve_app.replica.encode_driver import EncodeDriver
 from serve_app.replica.engine import resolve_dtype
-from serve_app.replica.extraction import extract_grounded
 from serve_app.replica.lifecycle import engine_dead, start_backends
 from serve_app.replica.limits import TokenLimits
 from serve_app.replica.metrics import ReplicaMetrics
-from serve_app.replica.reconciliation import reconcile_and_add
 from serve_app.replica.refusal_logs import RefusalsAreNotFailures
 from serve_app.replica.sampling import choice_copies, engine_errors_as_ours, sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
@@ -89,6 +89,7 @@ class MemoryLLM(TextCompletions, QueryEmbeddings):
         self.shard = ShardClient(
             actor, timeout_s=settings.shard_call_timeout_s, plan_channel=self._plan_channel(settings, shard_id), engine_slot=self.engine_slot.slot or 0
         )
+        self.adds = MemoryAdds(lambda: self.engine, self.layout, self.shard, self.limits, settings.memory, self._user_salt)
         self.watchdog = ShardWatchdog(self.shard, settings.health_timeout_s, settings.shard_restart_after_s)
         self._driver_task: asyncio.Task | None = None
         self._stats_exported_at = 0.0
@@ -231,53 +232,14 @@ class MemoryLLM(TextCompletions, QueryEmbeddings):
         return user_salt(self.settings.memory.redis_prefix, user_id)
 
     # ------------------------------------------------------------------ memory operations
-    async def add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
-        """Mem0 add: record turns, extract or take facts, reconcile extracted facts with the memory
-        (serve_app.replica.reconciliation), store them, encode their KV."""
-        with engine_errors_as_ours(self.replica_id):  # extraction and reconciliation run on the engine
-            return await self._add_memory(request)
-
-    async def _add_memory(self, request: AddMemoryRequest) -> dict[str, Any]:
+    async def add_memory(self, request: AddMemoryRequest) -> AddResult:
+        """Mem0 add, in two shard calls around the engine's work (serve_app.replica.adding); the
+        records are durable when this answers, their KV follows (awaited when `wait_for_kv`)."""
         self._ensure_driver()
-        await asyncio.to_thread(self.limits.check_add, request)  # token bounds: a 400 before anything is stored
-        user = request.user_id
-        if request.messages or request.turns:  # turns are stored before the facts: refuse a full backlog first (429)
-            await self.shard.check_encode_backlog(user, max(1, len(request.facts or [])))
-        order = await self.shard.next_turn_order(user)
-        turns = [Turn(**t.model_dump(), order=order + i) for i, t in enumerate(request.turns or [])]
-        order += len(turns)
-        if request.messages:
-            base = uuid.uuid4().hex[:8]
-            turns += [
-                Turn(turn_id=f"m-{base}-{i}", speaker=m.role, text=m.content, order=order + i)
-                for i, m in enumerate(request.messages)
-            ]
-        facts: list[NewFact] = []
-        extraction = None  # what the grounding check kept, dropped and stored as given (memory.grounding)
-        if request.messages and request.infer:
-            user_turns = [t for t in turns if t.speaker == "user"]
-            facts, extraction = await extract_grounded(self.engine, self.layout, user_turns,
-                                                       self.settings.memory.max_facts_per_turn, self._user_salt(user), fits=self.limits.fact_fits)
-        elif request.messages:
-            facts += [NewFact(text=t.text, source_id=t.turn_id) for t in turns if t.speaker == "user"]
-        # an extracted fact too long for an arena entry is dropped, not stored; the add's metadata goes with each fact
-        facts = [f.model_copy(update={"metadata": request.metadata}) for f in self.limits.fitting(facts)]
-        source = request.source_id or (turns[-1].turn_id if turns else None)
-        given = [NewFact(text=text, source_id=source, metadata=request.metadata) for text in request.facts or []]
-        if turns and (facts or given):  # quotas (429) before the first write; one kind alone is checked whole by its write
-            await self.shard.check_room(user, facts + given, turns)
-        if turns:
-            await self.shard.add_turns(user, turns)
-        memory = self.settings.memory
-        if request.messages and request.infer and (memory.reconcile if request.reconcile is None else request.reconcile):
-            # extracted facts are decided against the user's closest facts: ADD / UPDATE / DELETE / NONE
-            salt = self._user_salt(user)
-            results = await reconcile_and_add(self.engine, self.layout, self.shard, user, facts, memory, self.limits.fact_fits, salt)
-            results += await self.shard.add_facts(user, given)
-        else:
-            results = await self.shard.add_facts(user, facts + given)
-        await self._acknowledge([r["id"] for r in results if r["event"] != "DELETE"], request.wait_for_kv)
-        return {"results": results, **({"extraction": extraction.model_dump()} if extraction is not None else {})}
+        with engine_errors_as_ours(self.replica_id):  # extraction and reconciliation run on the engine
+            result = await self.adds.add(request)
+        await self._acknowledge(result.live_fact_ids, request.wait_for_kv)
+        return result
 
     async def _acknowledge(self, fact_ids: list[str], wait_for_kv: bool) -> None:
         """The facts are durable in Redis (appendfsync always): answer now and let the background
@@ -288,8 +250,8 @@ class MemoryLLM(TextCompletions, QueryEmbeddings):
         else:
             self.driver.wake()
 
-    async def search(self, user_id: str, query: str, limit: int) -> list[MemoryHit]:
-        return await self.shard.search(user_id, query, limit)
+    async def search(self, user_id: str, query: str, top_k: int) -> list[MemoryHit]:
+        return await self.shard.search(user_id, query, top_k)
 
     async def get_all(self, user_id: str) -> list[FactRecord]:
         return await self.shard.get_all(user_id)
