@@ -79,7 +79,7 @@ class AdmissionSettings(BaseModel):
         ge=1,
         description="Chats and completions of a key of one user running at once (their answers not yet given); more: "
         "429. One on the 2-core CPU service, whose engine answers one or two short chats a second in all: two of one "
-        "user's chats at once made another user's twice as slow (bench/results/flood_cpu.json); config.gpu.yaml: 8.",
+        "user's chats at once made another user's twice as slow (docs/hostile.md); config.gpu.yaml: 8.",
     )
     max_engine_requests_per_shared_key: int = Field(
         8, ge=1, description="The same for a key of several users (an application's backend), in all; config.gpu.yaml: 64."
