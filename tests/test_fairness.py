@@ -206,12 +206,11 @@ def test_extraction_and_reconciliation_run_below_chats(engine_factory, smollm2_d
     layout = PromptLayout(AutoTokenizer.from_pretrained(smollm2_dir), MemorySettings().instruction)
     turn = Turn(turn_id="t1", speaker="user", text="I moved to Lisbon last spring and I adopted a cat.", order=1)
 
-    async def search(query: str, k: int) -> list[MemoryHit]:
-        return [MemoryHit("f-city", "I live in Berlin.", 0.9)]
+    candidates = [[MemoryHit("f-city", "I live in Berlin.", 0.9)]]  # the shard's AddPlan for the one fact
 
     async def scenario() -> None:
         await extract_facts(engine, layout, [turn], 3)
-        await decide(engine, layout, search, [NewFact(text="I live in Lisbon.")], top_k=1, min_score=0.3, fits=lambda t: True)
+        await decide(engine, layout, [NewFact(text="I live in Lisbon.")], candidates, min_score=0.3, fits=lambda t: True)
 
     asyncio.run(scenario())
     assert engine.priorities == {"extract": MEMORY_WRITE_PRIORITY, "reconcile": MEMORY_WRITE_PRIORITY}

@@ -53,7 +53,7 @@ def main() -> None:
     from memory.records import NewFact
     from memory.records import MemoryHit
     from memory.prompting import PromptLayout
-    from serve_app import reconciliation as rec
+    from serve_app.replica import reconciliation as rec
     from serve_app.replica.engine import build_offline_engine
     from memory.settings import MemorySettings
     from serve_app.settings import EngineSettings
