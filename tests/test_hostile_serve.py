@@ -82,6 +82,11 @@ def test_the_host_header_is_never_reflected(service: str, keys: dict[str, str]) 
                                                                 "metadata": {"src": "host-test"}}))["results"]
     fact = facts[0]["id"]
     spare = ok(call("POST", f"{service}/v1/admin/keys", ADMIN_KEY, json={"users": ["dan"]}))["key_id"]
+    project = ok(call("GET", f"{service}/v1/ping/", bea))["project_id"]
+    hook = {"url": "https://93.184.216.34/kvmem-hook", "name": "host test", "event_types": ["memory_add"]}  # public: allowed
+    made = call("POST", f"{service}/api/v1/webhooks/projects/{project}/", bea, json=hook)
+    assert made.status_code == 201, made.text
+    webhook = made.json()["webhook_id"]
     chat = {"messages": [{"role": "user", "content": "Hi"}], "user": "bea", "max_tokens": 2}
     bodies: dict[tuple[str, str], Any] = {
         ("POST", "/v1/chat/completions"): chat,
@@ -109,20 +114,25 @@ def test_the_host_header_is_never_reflected(service: str, keys: dict[str, str]) 
         ("POST", "/v3/memories/add/"): {"messages": [{"role": "user", "content": "I like kites."}], "user_id": "bea", "infer": False},
         ("POST", "/v3/memories/"): {"filters": {"user_id": "bea"}},
         ("POST", "/v3/memories/search/"): {"query": "kite", "filters": {"user_id": "bea"}},
+        ("GET", "/api/v1/webhooks/projects/{project_id}/"): None,
+        ("POST", "/api/v1/webhooks/projects/{project_id}/"): hook,
+        ("PUT", "/api/v1/webhooks/{webhook_id}/"): {"name": "renamed"},
+        ("DELETE", "/api/v1/webhooks/{webhook_id}/"): None,
     }
     schema = requests.get(f"{service}/openapi.json", timeout=60).json()
     operations = {(method.upper(), path) for path, methods in schema["paths"].items() for method in methods}
     assert operations == set(bodies)  # every route of the schema is covered here
     queries = {("GET", "/v1/memories"): {"user_id": "bea"}, ("DELETE", "/v1/memories"): {"user_id": "cal"},
                ("POST", "/v3/memories/"): {"page": 2, "page_size": 1}, ("GET", "/v1/memories/"): {"user_id": "bea"}}
-    later = [("DELETE", "/v1/memories/{fact_id}"), ("DELETE", "/v1/memories")]  # last: they erase what the others read
+    later = [("DELETE", "/api/v1/webhooks/{webhook_id}/"), ("DELETE", "/v1/memories/{fact_id}"), ("DELETE", "/v1/memories")]  # last: they erase what the others read
     order = sorted(set(bodies) - set(later)) + later
     extra = [("POST", "/v3/memories", {"filters": {"user_id": "bea"}}), ("GET", "/v1/memories/", None), ("GET", "/v1/nowhere", None),
              ("POST", "/v3/memories/add", bodies[("POST", "/v3/memories/add/")]), ("GET", "/v1/models/", None),
              ("GET", "/docs", None), ("GET", "/redoc", None), ("GET", "/openapi.json", None), ("GET", "/docs/oauth2-redirect", None)]
     seen: list[str] = []
     for method, path, body in [(m, p, bodies[(m, p)]) for m, p in order] + extra:
-        url = service + path.format(fact_id=fact, key_id=spare, model_id="gpt-4o", response_id=f"resp_{'0' * 32}")
+        url = service + path.format(fact_id=fact, key_id=spare, model_id="gpt-4o", response_id=f"resp_{'0' * 32}", project_id=project,
+                                    webhook_id=webhook)
         key = ADMIN_KEY if "/admin/" in path or path == "/v1/shards" else keys["cal"] if path == "/v1/memories" and method == "DELETE" else bea
         params = queries.get((method, path))
         answer = call(method, url, key, json=body, params=params, headers={"Host": EVIL})
