@@ -29,6 +29,7 @@ from memory.composition import key_salt, user_salt
 from memory.prompting import PromptLayout
 from memory.add_plan import AddResult
 from memory.records import FactEvent, FactRecord, MemoryHit, UnknownFact
+from serve_app.completion_protocol import CompletionRequest, CompletionResponse
 from serve_app.memory_protocol import AddMemoryRequest
 from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, EngineUnavailable, NotFound, RequestRejected
 from serve_app.replica.adding import MemoryAdds
@@ -42,7 +43,7 @@ from serve_app.replica.refusal_logs import RefusalsAreNotFailures
 from serve_app.replica.sampling import choice_copies, engine_errors_as_ours, sampling_params
 from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
 from serve_app.replica.query_embeddings import QueryEmbeddings
-from serve_app.replica.text_completions import TextCompletions
+from serve_app.replica.text_completions import TextCompleter
 from serve_app.replica.warm_up import WarmUps
 from serve_app.replica.shard_watchdog import ShardWatchdog
 from serve_app.replica.startup import ReplicaStart
@@ -68,7 +69,7 @@ def _not_found() -> Iterator[None]:
         raise NotFound(str(exc.args[0] if exc.args else exc)) from None
 
 
-class MemoryLLM(TextCompletions, QueryEmbeddings):
+class MemoryLLM(QueryEmbeddings):
     """One vLLM engine with its memory shard: the replica's work, whichever deployment runs it
     (LLMReplica below, behind the ChatAPI router; or serve_app.direct_ingress.ReplicaIngress)."""
 
@@ -100,6 +101,8 @@ class MemoryLLM(TextCompletions, QueryEmbeddings):
         self.stage_seconds = self.metrics.stage_seconds  # shared with the routes' stages (routing: direct)
         self.chats_running = ChatsRunning()  # the chats being served, which the encoder yields to
         self.driver = EncodeDriver.for_memory(self.shard, self.engine, settings.memory, self.metrics.encoded, self.chats_running)
+        self.completions = TextCompleter(lambda: self.engine, self.tokenizer, self.limits, settings, self.chats_running, self.metrics,
+                                         self.replica_id, self._user_salt, self._ensure_driver)  # POST /v1/completions
         self._start_embedder()  # POST /v1/embeddings' copy of the query embedder, loaded on its own thread
         # the engine's first-logprobs compile, paid now (serve_app.replica.warm_up); a rebuilt engine again
         self.warm_ups = WarmUps(list(self.tokenizer("Hello").input_ids), settings.engine_restart_timeout_s, settings.engine.warm_up)
@@ -225,6 +228,16 @@ class MemoryLLM(TextCompletions, QueryEmbeddings):
             if event is not None:
                 yield event
         for event in stream.closing():
+            yield event
+
+    # ------------------------------------------------------------------ text completions
+    async def complete(self, request: CompletionRequest, cache_scope: str | None = None) -> CompletionResponse:
+        """POST /v1/completions (serve_app.replica.text_completions)."""
+        return await self.completions.complete(request, cache_scope)
+
+    async def complete_stream(self, request: CompletionRequest, cache_scope: str | None = None) -> AsyncIterator[str]:
+        """POST /v1/completions with stream: server-sent events (serve_app.replica.text_completions)."""
+        async for event in self.completions.complete_stream(request, cache_scope):
             yield event
 
     def _user_salt(self, user_id: str) -> str:

@@ -1,43 +1,56 @@
-"""TextCompletions: OpenAI's text completions (POST /v1/completions) on the LLM replica's engine.
+"""TextCompleter: OpenAI's text completions (POST /v1/completions) on the LLM replica's engine.
 
 The prompt is continued as it is: tokenized with the model's tokenizer (or given as its token ids,
 each checked against the vocabulary), no chat template, no memory (memory conditions chats). The same bounds as a chat (serve_app.replica.limits: a 400
 before the engine sees anything), the same sampling through vLLM's own protocol model
 (serve_app.replica.sampling), the same priority and prefix-cache scope (a user's, or the API
-key's). A mixin of MemoryLLM (serve_app.replica.server), whose engine, tokenizer and limits it uses.
+key's). TextCompleter is held by MemoryLLM (serve_app.replica.server), which gives it what it uses
+(the engine through a getter, since a rebuilt engine replaces it; the tokenizer, limits, settings,
+the chats count, metrics) and answers Serve's `complete` / `complete_stream` calls through it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from memory.composition import key_salt
 from serve_app.completion_protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from serve_app.protocol import NotFound, RequestRejected
 from serve_app.replica.chat_responses import Choices, usage_of
+from serve_app.replica.limits import TokenLimits
+from serve_app.replica.metrics import ReplicaMetrics
 from serve_app.replica.sampling import choice_copies, completion_sampling_params, engine_errors_as_ours
-from serve_app.replica.scheduling import CHAT_PRIORITY
+from serve_app.replica.scheduling import CHAT_PRIORITY, ChatsRunning
+from serve_app.settings import ServiceSettings
 from serve_app.stage_timings import count_positive
 
 
-class TextCompletions:
-    """complete / complete_stream, for the deployment class that also is a MemoryLLM."""
+class TextCompleter:
+    """complete / complete_stream on the replica's engine (module docstring)."""
 
-    engine: Any
-    tokenizer: Any
-    limits: Any
-    settings: Any
-    chats_running: Any
-    metrics: Any  # serve_app.replica.metrics.ReplicaMetrics
-    replica_id: str
+    def __init__(
+        self,
+        engine: Callable[[], Any],
+        tokenizer: Any,
+        limits: TokenLimits,
+        settings: ServiceSettings,
+        chats_running: ChatsRunning,
+        metrics: ReplicaMetrics,
+        replica_id: str,
+        user_salt: Callable[[str], str],
+        before_generating: Callable[[], None],
+    ) -> None:
+        self._engine, self.tokenizer, self.limits, self.settings = engine, tokenizer, limits, settings
+        self.chats_running, self.metrics, self.replica_id = chats_running, metrics, replica_id
+        self._user_salt, self._before_generating = user_salt, before_generating
 
     async def _completion_outputs(self, request: CompletionRequest, cache_scope: str | None) -> AsyncIterator[tuple[Any, int]]:
         """(engine output, prompt tokens) as the engine produces them (cumulative outputs)."""
         from vllm.inputs import TokensPrompt  # the replica's process boundary (serve_app.replica.server)
 
-        self._ensure_driver()  # type: ignore[attr-defined]
+        self._before_generating()  # the replica's background work is running (MemoryLLM._ensure_driver)
         name = self.settings.served_model_name
         if request.model is not None and request.model != name:
             raise NotFound(f"the model {request.model!r} does not exist; this service serves {name!r}", param="model", code="model_not_found")
@@ -49,12 +62,12 @@ class TextCompletions:
         params = completion_sampling_params(request, max_tokens)
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         if request.user:
-            prompt["cache_salt"] = self._user_salt(request.user)  # type: ignore[attr-defined]
+            prompt["cache_salt"] = self._user_salt(request.user)
         elif cache_scope:
             prompt["cache_salt"] = key_salt(self.settings.memory.redis_prefix, cache_scope)
         generated = Choices()
         with self.chats_running.one(), engine_errors_as_ours(self.replica_id):
-            async for output in self.engine.generate(prompt, params, request_id=f"cmpl-{uuid.uuid4().hex}", priority=CHAT_PRIORITY):
+            async for output in self._engine().generate(prompt, params, request_id=f"cmpl-{uuid.uuid4().hex}", priority=CHAT_PRIORITY):
                 generated.update(output)
                 yield output, len(prompt_ids)
         self.metrics.requests.inc(tags={"outcome": "ok"})
