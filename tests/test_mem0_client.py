@@ -19,7 +19,7 @@ from urllib.parse import urljoin
 import pytest
 import requests
 
-from tests.serve_harness import running_service
+from tests.serve_harness import running_service, user_keys
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +38,7 @@ def service(redis_server, smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keys(service: str) -> dict[str, str]:
-    made = {}
-    for user in ("ann", "bea"):
-        response = requests.post(
-            f"{service}/v1/admin/keys", json={"users": [user]}, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60
-        )
-        assert response.status_code == 200, response.text
-        made[user] = response.json()["key"]
-    return made
+    return user_keys(service, ADMIN_KEY, ("ann", "bea"))
 
 
 def _client(service: str, key: str):
