@@ -19,19 +19,8 @@ control itself; and the engine's speed on these prompts (one request at a time a
 so that `VLLM_BATCH_INVARIANT=1` (part `equiv_bi`, a process of its own: vLLM reads its envs once)
 shows its cost beside its effect.
 
-Where the remaining disagreement comes from (`split_checks`, on the same prompts):
-
-1. Read back: capture the first c tokens' KV out of a cold prefill of the whole prompt
-   [memory][query] (a fresh cache salt, so vLLM computes every token) and compare it bit for bit
-   with the memory's KV as injected (captured from a prefill of the memory alone). Equal bits mean
-   the injected KV is exactly what a cold prefill puts in the paged cache; what then differs is
-   only how the query's attention is summed over it.
-2. Same split: vLLM's own prefix cache serves the prompt's first c tokens (c = the cached tokens
-   of the warm run, whole 16-token blocks) and computes the rest. Injecting those same c tokens'
-   KV (captured above) and computing the same rest is the same attention path with the same split.
-   Identical continuations there (100% expected with `VLLM_BATCH_INVARIANT=1`) say the connector
-   adds nothing of its own; the warm-vs-cold share is then vLLM's cached-prefix attention path
-   against its single-pass one, which KV injection inherits.
+The split checks that found where the rest comes from (`split_checks`) were retired in issue 35
+(docs/quality.md cites them with the commit that ran them).
 """
 
 from __future__ import annotations
@@ -41,7 +30,6 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
 
 from bench.engine.engine_setup import capture_segments, convert_smollm2, make_engine, new_arena, rpc_drop, rpc_stats, sampling_params, tokens_prompt
 from bench.kit.results import card_tag, median, read_json, write_result
@@ -120,7 +108,6 @@ def run(args) -> dict:
     except Exception as exc:  # noqa: BLE001 - recorded; the other comparisons stand
         result["relocated_error"] = repr(exc)[-1000:]
         relocated = []
-    cold_warm = []
     for i, (row, composed) in enumerate(zip(rows, composed_all)):  # then from the host tier: HBM tier emptied before each
         llm.collective_rpc(rpc_drop)
         host = run(composed.prompt_token_ids, composed.params, uuid.uuid4().hex)  # fresh salt: no reuse
@@ -128,7 +115,6 @@ def run(args) -> dict:
         salt = uuid.uuid4().hex
         cold = run(composed.prompt_token_ids, None, salt)
         warm = run(composed.prompt_token_ids, None, salt)
-        cold_warm.append((cold, warm))
         row.update(
             injected_host=host.num_cached_tokens,
             identical_hbm=_same(hbm, plain),
@@ -147,10 +133,6 @@ def run(args) -> dict:
             out = run(moved.prompt_token_ids, moved.params, moved.cache_salt)
             row.update(injected_relocated=out.num_cached_tokens, identical_relocated=_same(out, plain),
                        gap_relocated=_first_gap(plain, out), identical_relocated_vs_hbm=_same(out, hbm))
-    try:
-        result["split_checks"] = split_checks(llm, arena, prompts, segments, cold_warm, run, _same, _first_gap)
-    except Exception as exc:  # noqa: BLE001 - recorded; the other comparisons stand
-        result["split_checks_error"] = repr(exc)[-1000:]
     batch = [tokens_prompt(c.prompt_token_ids, uuid.uuid4().hex) for c in composed_all]
     t0 = time.perf_counter()
     llm.generate(batch, sampling_params(TOKENS), use_tqdm=False)
@@ -190,65 +172,15 @@ def run(args) -> dict:
             identical_share_relocated_vs_hbm=share("identical_relocated_vs_hbm"),
             max_first_token_logprob_gap_relocated=max(r["gap_relocated"] for r in rows),
         )
-    print({k: v for k, v in result.items() if k not in ("rows", "stats", "split_checks")}, flush=True)
-    print({k: v for k, v in result.get("split_checks", {}).items() if k != "rows"}, flush=True)
+    print({k: v for k, v in result.items() if k not in ("rows", "stats")}, flush=True)
     return result
 
-
-def _entry_kv(arena, segment):
-    view = arena.pin(segment.ref.entry_id, segment.ref.generation)
-    try:
-        return arena.entry_kv(view)
-    finally:
-        arena.unpin(segment.ref.entry_id, segment.ref.generation)
-
-
-def split_checks(llm, arena, prompts: list[dict], segments: list, cold_warm: list[tuple], run: Callable,
-                 same: Callable, gap: Callable) -> dict:
-    """prompts[i] = {"memory", "query"}; segments[i] = the memory's injected entry; cold_warm[i] =
-    (cold, warm) RequestOutputs of vLLM's prefix-cache control; run(ids, params, salt) -> output."""
-    from memory.composition import compose
-
-    fulls = [list(p["memory"]) + list(p["query"]) for p in prompts]
-    splits = [warm.num_cached_tokens for _cold, warm in cold_warm]
-    jobs = [(full, 0, c) for full, c in zip(fulls, splits) if c > 0]
-    captured = iter(capture_segments(llm, arena, jobs, salt=uuid.uuid4().hex))
-    rows = []
-    for p, full, c, segment, (cold, warm) in zip(prompts, fulls, splits, segments, cold_warm):
-        if c == 0:
-            continue
-        from_full = next(captured)
-        n = min(c, len(p["memory"]))
-        injected = _entry_kv(arena, segment)[:, :n].float()
-        recomputed = _entry_kv(arena, from_full)[:, :n].float()
-        composed = compose([from_full], full[c:], namespace=uuid.uuid4().hex)
-        out = run(composed.prompt_token_ids, composed.params, composed.cache_salt)
-        rows.append({
-            "split": c,
-            "memory_tokens": len(p["memory"]),
-            "kv_bits_equal": bool(injected.equal(recomputed)),
-            "kv_max_abs_diff": float((injected - recomputed).abs().max()),
-            "injected_tokens": out.num_cached_tokens,
-            "identical_split_injection_vs_prefix_cached": same(out, warm),
-            "gap_split_injection_vs_prefix_cached": gap(warm, out),
-            "identical_split_injection_vs_cold": same(out, cold),
-        })
-    n = max(len(rows), 1)
-    return {
-        "prompts": len(rows),
-        "kv_bits_equal_share": sum(r["kv_bits_equal"] for r in rows) / n,
-        "kv_max_abs_diff": max((r["kv_max_abs_diff"] for r in rows), default=None),
-        "split_injection_identical_to_prefix_cached": sum(r["identical_split_injection_vs_prefix_cached"] for r in rows) / n,
-        "split_injection_max_gap_vs_prefix_cached": max((r["gap_split_injection_vs_prefix_cached"] for r in rows), default=None),
-        "split_injection_identical_to_cold": sum(r["identical_split_injection_vs_cold"] for r in rows) / n,
-        "rows": rows,
-    }
 
 
 SUMMARY_KEYS = ("identical_share_hbm", "identical_share_host", "max_first_token_logprob_gap_hbm", "identical_share_hbm_vs_prefix_cached",
                 "max_gap_hbm_vs_prefix_cached", "control_identical_share_prefix_cached", "control_max_gap_prefix_cached",
                 "identical_share_relocated", "identical_share_relocated_vs_hbm", "max_first_token_logprob_gap_relocated", "speed",
-                "injected_all", "injected_all_relocated", "relocated_error", "error", "prompts", "split_checks_error")
+                "injected_all", "injected_all_relocated", "relocated_error", "error", "prompts")
 
 
 def summary(out: Path) -> None:
@@ -259,6 +191,4 @@ def summary(out: Path) -> None:
         found = read_json(out / f"part_{part}.json", {"error": "no result"})
         result.setdefault("card", found.get("card"))
         result[name] = {k: found[k] for k in SUMMARY_KEYS if k in found}
-        if found.get("split_checks"):
-            result[name]["split_checks"] = {k: v for k, v in found["split_checks"].items() if k != "rows"}
     write_result(out / f"bf16_fidelity_{card_tag(result['card'] or None)}.json", result)

@@ -55,8 +55,7 @@ def _arena(root: Path) -> tuple[FactArena, list[StoredSegment]]:
 
 def one_request(side: KVMemoryScheduler, segments: list[StoredSegment], compose_fn: Callable[..., Any], chosen: np.ndarray) -> tuple[float, Any]:
     """Seconds of scheduler-side host time for one request injecting the chosen facts (plan, pin,
-    token check, inject op, finish), and its inject op. Duck-typed on the scheduler and compose:
-    bench/engine/connector_scheduler_ab.py runs it on another checkout's classes too."""
+    token check, inject op, finish), and its inject op."""
     composed = compose_fn([segments[i] for i in chosen], [5, 6, 7], namespace="bench")
     request = types.SimpleNamespace(
         request_id=uuid.uuid4().hex,

@@ -7,7 +7,7 @@ logprobs: seconds for the first chat with `logprobs` on a CPU, tenths of a secon
 vllm.v1.sample.ops.topk_topp_sampler.compiled_random_sample where a platform uses it, is paid too), sent at
 the encoder's priority as soon as an engine is up (at the replica's start, and again when the engine
 is rebuilt in place: serve_app.replica.lifecycle.EngineKeeper), pays it before clients come.
-Measured by bench/api/logprobs_cold_start.py.
+Measured by `python -m bench.api.logprobs_cold_start` at commit 8b44f8c (retired in issue 35; docs/measured.md).
 """
 
 from __future__ import annotations
