@@ -1,29 +1,5 @@
-"""Property-based fuzzing of the live HTTP API from its own OpenAPI schema (Schemathesis).
-
-For every operation in /openapi.json, Schemathesis generates requests from the schema, valid
-(positive) and invalid (negative) ones, sends each to the running service and checks the
-answer: no status >= 500, every status documented, every body of its documented schema and
-content type, invalid input never accepted. A request that gets no answer within the timeout
-counts as a hang. Failures are collected (not raised) so one run reports all of them.
-
-    .venv/bin/python -m bench.api.fuzz_api [--examples 520] [--concurrency 4] [--limits production|small] [--url URL]
-
-Without --url the script starts the service itself (local Redis, Ray Serve, one SmolLM2
-replica, API keys on) with the production limits of config.yaml (`--limits production`, the
-default) or the small ones of `fuzz_service_overrides` (a 256-token context and at most 4 output
-tokens: `--limits small`, what tests/test_fuzz_api.py runs in CI), and writes its summary to
-bench/results/fuzz_cpu.json.
-
-Requests carry a user-bound key, as a tenant's client would (the settings admin key only mints
-it): half of the valid requests are bound to the key's own user (the success paths), the rest keep
-the user ids Hypothesis drew (another user's data: 403) and admin routes answer 403. The user's
-admission rates are raised (FUZZ_ADMISSION) so the routes are fuzzed rather than their 429.
-
-Then the shapes the schema cannot describe (bench/api/fuzz_shapes.py: metadata and filter trees
-nested up to 1,000 levels, wide metadata, repeated and undeclared query parameters: refused, never
-a 5xx; those within the bounds stored), and every record the fuzzed user holds is read back
-through every read route: 0 answers >= 500 (`shapes`, `read_back` in the summary).
-"""
+"""Property-based fuzzing of the live HTTP API from its own OpenAPI schema (Schemathesis): no 5xx,
+every answer as documented, invalid input refused, no hang. Usage and checks: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
 """Deep and wide request shapes for the schema fuzz (bench/api/fuzz_api.py), and the read-back of
-everything the fuzz stored (issue 36).
-
-Schemathesis draws from the schema, which says nothing about how deep `metadata` (any JSON object)
-may nest or how wide it may be, so it rarely draws what broke the service: metadata nested 256 to
-484 levels was stored and then failed every read (500), deeper failed at once. `shape_cases` sends
-such shapes on purpose to every route that takes a JSON object or a filter tree: nested 9, 33,
-200 and 1,000 levels, in objects and in arrays; wide ones (hundreds of keys, long keys, a long
-array) at and past the byte bound; repeated and undeclared query parameters. The deep ones must be
-refused (4xx, never 5xx) and the ones within the bounds stored. `read_back` then asks every read
-route for every record of the fuzzed user (the list, each memory, its history, Mem0's pages, a
-search): not one answer may be a 5xx.
-"""
+everything the fuzz stored (issue 36). What is sent and expected: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
 """bf16 fidelity of KV injection on the GPU with SmolLM2-135M-Instruct's real weights (parts `equiv`
 and `equiv_bi` of bench/engine/engine_ttft.py; `--fidelity` runs both and writes
-OUT/bf16_fidelity_<card>.json).
-
-50 LoCoMo prompts [instruction + 20 facts of the conversation][question]; each memory is captured
-at its serving positions, then every prompt runs (32 greedy tokens, first-token logprobs) as:
-- plain     the whole prompt prefilled (prompt injection);
-- hbm       the memory injected from the HBM tier;
-- host      the memory injected from the pinned host tier (HBM tier emptied first);
-- cold/warm vLLM's own prefix cache: [memory][query] prefilled under a fresh salt, then again
-            under the same salt (the memory's blocks cached, only the rest computed): the control
-            for "cached KV vs KV computed in the same pass";
-- relocated the memory's keys re-rotated twice in bf16 (injected at position `shift`, captured back
-            out of the paged cache there, then injected at 0 again), against the same plain run.
-
-Reported: shares of identical continuations and the largest first-token logprob gap, kv vs plain,
-kv vs the prefix-cached control (the same attention path: cached KV + computed query), the
-control itself; and the engine's speed on these prompts (one request at a time and all at once),
-so that `VLLM_BATCH_INVARIANT=1` (part `equiv_bi`, a process of its own: vLLM reads its envs once)
-shows its cost beside its effect.
-
-The split checks that found where the rest comes from (`split_checks`) were retired in issue 35
-(docs/quality.md cites them with the commit that ran them).
-"""
+OUT/bf16_fidelity_<card>.json). The comparisons it reports: docs/bench.md."""
 
 from __future__ import annotations
 

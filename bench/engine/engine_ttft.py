@@ -1,26 +1,5 @@
-"""KV injection in the engine alone, on a GPU (vLLM 0.25.1): TTFT, QPS and bf16 fidelity.
-
-Three parts, each in a process of its own (a failing part is recorded and the others still run):
-
-smoke     the Triton kernel tests on the GPU and kernel micro-timings at the Llama-3.1-8B shape
-          (bench/engine/kernel_timing.py).
-engine8b  Llama-3.1-8B architecture (bench/engine/llama31_8b_config.json), load_format="dummy",
-          bf16, prefix caching on, default compilation config. Memory facts: LoCoMo observation
-          facts (SmolLM2 token ids) captured through the connector into the arena. TTFT (one
-          request, max_tokens=1, median of --requests) vs k in {5, 10, 20, 50} for: none
-          ([instruction][question]), prompt ([instruction][k facts][question] prefilled), kv_hbm
-          (the same tokens injected from the HBM tier), kv_host (the request's own entries demoted
-          to the pinned host tier first). Modes interleave request by request. QPS: batches of
-          10/25/50/75/100 users x 2 questions, k = 50, 50 output tokens.
-equiv     bf16 fidelity with SmolLM2's real weights (bench/engine/bf16_fidelity.py).
-
-    .venv/bin/python -m bench.engine.engine_ttft --prepare-data          # CPU machine, once
-    python3 -m bench.engine.engine_ttft --all --out $OUT                 # GPU machine (docs/gpu.md)
-    python3 -m bench.engine.engine_ttft --fidelity --smollm2 <a bf16 SmolLM2 folder> --out $OUT
-
-Writes OUT/engine_<card>.json (engine_h200.json on an H200; the card inside as "card"), its
-.png, and prints a table.
-"""
+"""KV injection in the engine alone, on a GPU (vLLM 0.25.1): TTFT, QPS and bf16 fidelity, in parts
+that each run in a process of their own. Parts and usage: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The injection kernels on the GPU (part `smoke` of bench/engine/engine_ttft.py): the Triton
-kernel tests compiled (not interpreted), and micro-timings at the Llama-3.1-8B shape: fused
-inject from HBM, host-tier rows over PCIe (pinned, mapped), a plain pinned DMA of the same bytes
-for reference, and the host time of one kernel launch."""
+"""The injection kernels on the GPU (part `smoke` of bench/engine/engine_ttft.py): the Triton kernel
+tests compiled, and micro-timings at the Llama-3.1-8B shape (docs/bench.md)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
 """Latency of a reconciled add on the CPU service, two checkouts side by side in one run (issue 35).
-
-    PYTHONPATH=$PWD .venv/bin/python -m bench.ingest.add_latency --baseline /path/to/checkout-of-main
-
-For each checkout (the baseline first, then this tree) a child process started in that checkout
-(its code on PYTHONPATH: the service it starts runs that checkout's serve_app, memory and actors)
-starts the CPU service with the fairness bench's starter (bench.serve.tenants_flood.running_service:
-config.yaml's settings, auth keys, a fresh Redis and arena, admission off), seeds the user with
---seed-facts facts (KV awaited), sends --warmup adds that are not counted, then --adds adds one
-after another: `POST /v1/memories` with one user message, `infer: true`, `reconcile: true`
-(extraction on, the model's decisions on), answered once durable (the KV follows). Every checkout
-gets the same messages in the same order, so the memories they are reconciled against match.
-
-Prints a table and writes JSON (--out, default bench/results/add_latency_cpu.json): per checkout
-its commit, p50 / p95 / mean / min / max of the timed adds in ms, their events, and the module
-serve_app was loaded from (to show which code answered); and the ratio of the p50s.
-"""
+Usage: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Ingest one LoCoMo conversation's observation facts into a memory shard, with a progress bar.
-
-Every turn of the conversation is recorded (the facts' context windows come from them), then
-the observation facts are added in batches of `--batch`, each batch acknowledged by the shard
-(Redis + index) and its KV captured through the engine (window of w turns before each fact's
-source turn). Prints facts/s and writes JSON.
-
-    .venv/bin/python -m bench.ingest.ingest_locomo --conversation 0 --window 5
-
-The data (CC BY-NC 4.0) is passed by path, `--locomo` or $KVMEM_LOCOMO, and never copied.
-"""
+"""Ingest one LoCoMo conversation's observation facts into a memory shard, with a progress bar; its
+LoCoMo parsing is shared with quality/ and the tests. Usage: docs/bench.md."""
 
 from __future__ import annotations
 

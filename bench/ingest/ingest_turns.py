@@ -1,25 +1,5 @@
-"""Turn-by-turn ingest through the RUNNING service's HTTP API, as a chat app adds memory.
-
-    make serve                                   # or: serve run config.yaml (memory.window_turns 5)
-    .venv/bin/python -m bench.ingest.ingest_turns --url http://localhost:8000 --conversation 0 \\
-        --compare-turns 60 --out bench/results/ingest_cpu.json
-
-One `POST /v1/memories` per LoCoMo turn, carrying the turn and the observation facts whose
-source it is (bench.quality.locomo_qa.ingest, the same adds the QA benchmark makes). Two ways, side by
-side in one run, each on its own user:
-
-- `durable` (the default add): answered once the records are in Redis; the KV follows in the
-  background, and `kv_live_after_last_add_s` is the time from the last add's answer until no
-  shard has an encode pending (`GET /v1/shards`, polled every `--poll-s`).
-- `wait_for_kv` (`"wait_for_kv": true` on every add): each add waits for its facts' KV, as
-  every add did before; on the first `--compare-turns` turns only, since on CPU it takes about
-  3.6 s per add.
-
-Prints a table and writes JSON (`--out`): per way, adds, facts, per-add p50 / p90 / p99 in ms
-(every turn's add; most LoCoMo turns carry no fact), the same over the adds that carried facts,
-seconds, `kv_live_after_last_add_s`, and the ratio of the fact-carrying adds' p50s. The data (CC BY-NC 4.0) is
-passed by path, `--locomo` or $KVMEM_LOCOMO, and never copied into the project.
-"""
+"""Turn-by-turn ingest through the RUNNING service's HTTP API, as a chat app adds memory. Usage and
+what is reported: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Numbers and where they go: the card a run measured, percentiles, result files and tables.
-
-Every result JSON names the card (or CPU) it was measured on inside the file (`"card"`), so a
-bench module is named for what it measures, not for the machine it ran on.
-"""
+"""Numbers and where they go: the card a run measured, percentiles, result files and tables. Every
+result JSON names the card (or CPU) it was measured on inside the file (`"card"`)."""
 
 from __future__ import annotations
 

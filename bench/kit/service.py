@@ -1,11 +1,5 @@
-"""Starting the real service for a bench (and for the HTTP tests, tests/serve_harness.py).
-
-`running_service`: Ray, Ray Serve and the app in this process with small CPU settings, the way
-`serve run` builds it (serve_app.app.build_app) with only what a run needs changed;
-`cpu_service`: the same over a local Redis and the staged SmolLM2, what the CPU benches start.
-`ServeRun`: a local Redis and `serve run config.gpu.yaml` (or config.yaml) in a process of its
-own, as the GPU benches start the service; `left_running`: one an earlier call left up.
-"""
+"""Starting the real service for a bench (and for the HTTP tests, tests/serve_harness.py): the CPU
+service in this process, or `serve run` of a config in a process of its own (docs/bench.md)."""
 
 from __future__ import annotations
 

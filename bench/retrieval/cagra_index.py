@@ -1,35 +1,5 @@
-"""CAGRA (cuVS) vector index on a GPU: build, recall@k against exact search, latency,
-extend and delete, over 100k synthetic facts of 50 users.
-
-    python3 -m bench.retrieval.cagra_index --out bench/results/cagra_h200.json
-
-Needs torch, numpy, pydantic and cuVS (cuvs-cu13 / cuvs-cu12) only: no sentence-transformers, vLLM
-or data files. Of the repository it imports only the `memory.index` package (memory/__init__.py
-is empty), the bench kit and its data, bench/retrieval/cagra_data.py. The card is named inside the
-result (`card`).
-
-Data (seeded, synthetic, not uniform): a Gaussian mixture on the unit sphere in 384-d
-(MiniLM's width). `--clusters` centres are drawn uniformly on the sphere; a vector is
-normalise(centre + s * g / sqrt(d)) with g ~ N(0, I) and s = `--noise` (1.0: cosine to its
-centre about 0.7, to a same-cluster sibling about 0.5). Every user owns `--clusters-per-user`
-random clusters (their "topics") and draws `--per-user` facts from them. Queries are fresh
-draws from the same mixture (not dataset points): the unfiltered ones from any cluster, the
-user-filtered ones from one of the user's clusters.
-
-Measured (each section recorded on its own; a failure is written as its error string and
-the run goes on; the JSON is rewritten after every section):
-  build            CagraIndex.add of all rows (graph built inside), graph build time
-  recall           recall@k of CAGRA vs exact torch search, unfiltered over all rows and
-                   user-filtered (bitset prefilter, forced onto the graph path), per itopk
-  latency          p50/p95 of one query at a time and of batches of 100: CAGRA unfiltered,
-                   CAGRA user-filtered, exact per-user (the routed path for 2,000-fact
-                   users), exact over all rows; also cagra.search alone (no wrapper)
-  extend           1,000 new rows: cagra.extend time, self-retrieval, recall afterwards
-  delete           remove 1,000 rows: no deleted id returned (self-queries), re-add found
-                   again; rebuild once tombstones pass the threshold
-  small            a 100-vector index (exact fallback) and cagra.build on 100 vectors
-Recall@k = |approximate top-k ids ∩ exact top-k ids| / k, averaged over queries.
-"""
+"""CAGRA (cuVS) vector index on a GPU: build, recall@k against exact search, latency, extend and
+delete, over 100k synthetic facts of 50 users. Data, sections and usage: docs/bench.md."""
 
 from __future__ import annotations
 

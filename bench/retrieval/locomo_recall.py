@@ -1,40 +1,6 @@
 """Evidence recall of LoCoMo questions over the conversations' observation facts, per retriever
-(memory.retrieval: dense, keyword, hybrid, + time, + turn context, + expansion, the shipped
-default; bench/retrieval/locomo_retrievers.py), and CPU search latency (exact search for a 2,000-fact
-user; the hybrid search and keyword rebuild for a 300- and a 2,000-fact user).
-
-    .venv/bin/python -m bench.retrieval.locomo_recall --tune     # writes bench/results/locomo_recall.json
-    .venv/bin/python -m bench.retrieval.locomo_recall --model DIR --out FILE   # another sentence-transformers folder
-
-The top-level "recall" and "recall_by_category" are the dense retriever's (ExactIndex alone, as
-before issue 29); "retrievers" holds every retriever on all conversations and on 0-3 / 4-7.
-
-Memory: every conversation is one user; its memory is the conversation's `observation` facts
-(Mem0-style facts per session and speaker, each with the dialogue turn(s) it came from),
-embedded with all-MiniLM-L6-v2 (or --model) and held in an ExactIndex (CPU, torch).
-
-Questions: every QA item with category != 5 (5 = adversarial, no answer in the dialogue),
-embedded the same way and searched in its own conversation's memory only.
-
-Definitions, for a question with evidence turns E (cleaned as below) and the top-k retrieved
-facts F_k, each fact f carrying its source turns src(f):
-    covered_k     = union of src(f) for f in F_k
-    recall@k      = |E ∩ covered_k| / |E|            (averaged over questions)
-    hit@k         = 1 if |E ∩ covered_k| > 0 else 0  (averaged over questions)
-    ceiling       = recall with every fact of the conversation retrieved: the share of evidence
-                    turns that some observation fact cites at all (no retriever can exceed it)
-Data quirks handled (counted in the JSON): a fact's source is a dia_id, a list of dia_ids or
-one string "D26:14, D26:34" holding several; evidence entries such as "D8:6; D9:17" hold
-several ids, "D:11:26" is read as D11:26, an entry without a turn number ("D") is dropped,
-as is an evidence id naming no turn of the conversation; a question left with no evidence is
-skipped.
-
-Latency: one user holding 2,000 facts = the first 2,000 of the 2,046 real observation facts
-of all eight conversations (real MiniLM embeddings, no padding or synthetic vectors), next to
-the eight conversation users in the same index; 1,000 real LoCoMo questions as queries, one
-at a time, after 100 warm-up queries; timed around ExactIndex.search (query normalisation,
-matmul, top-k, result objects), with torch on 1 and on 2 threads.
-"""
+(bench/retrieval/locomo_retrievers.py), and CPU search latency. Definitions and usage:
+docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
-"""LoCoMo evidence recall per retriever (dense, keyword, hybrid, + time, + turn context, + expansion,
-+ the second stage),
-through the shard's own retrieval code (memory.retrieval.Retriever over an ExactIndex), and the CPU
-cost of a hybrid search. bench/retrieval/locomo_recall.py calls it; see docs/retrieval.md.
-
-Every retriever is a memory.retrieval.RetrievalSettings: the defaults of that class (what the
-shard ships) with the fields of RETRIEVERS[name] overridden. Each conversation is one user of
-one Retriever; each fact is tracked as a FactRecord as the shard tracks it (source_id = its first
-cited turn, session_time = its session's date), and the source turn's text comes from the
-conversation (what commit_add stored, as bench/ingest/ingest_locomo.py records it).
-
-Protocol: the few global settings (rrf_k, keyword_weight, time_keyword_boost, expansion, rerank)
-were chosen on the first half of the conversations (0-3 of locomo8.json; `--tune` prints that grid
-and writes it under "tuning"); results are reported on all of them and on the second half alone
-(4-7), which took no part in the choice. The halves follow the file's conversation count.
-
-Second-stage alternatives (`second_stage_alternatives`, on the shipped first stage's top 50,
-parameters fitted or chosen on the first half): an entity boost (names of the question found in
-the fact), session diversity, and a gradient-boosted ranker over 11 first-stage features.
-"""
+"""LoCoMo evidence recall per retriever through the shard's own retrieval code
+(memory.retrieval.Retriever over an ExactIndex), and the CPU cost of a hybrid search;
+bench/retrieval/locomo_recall.py calls it. Protocol: docs/bench.md, docs/retrieval.md."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
 """Second stages tried over the shipped first stage's top 50 on LoCoMo (bench/retrieval/locomo_recall.py).
-
-Each alternative re-orders the same candidates (RetrievalSettings(rerank="none"): the service's
-first stage, 50 candidates per list, its fused top 50) and is scored by evidence recall@10 on
-both halves; what it has to choose (a weight, a penalty, a model's parameters) is chosen or fitted
-on the first half only, and the second half is reported apart.
-
-    turn_diverse       memory.retrieval.turn_diverse (what ships): one fact per source turn first
-    entity_boost       + w x (share of the question's capitalised names found in the fact), w in 0.5 / 1 / 2
-    session_diversity  greedy: a candidate's fused score x penalty^(facts of its session already taken)
-    learned_gbm        sklearn HistGradientBoosting on 11 first-stage features (rank, cosine, BM25,
-                       keyword hit, name and word overlap, time question, same-turn and same-session
-                       counts, length), fitted on the first half's questions (label: the fact cites an
-                       evidence turn), then turn_diverse
-
-Not here (no model for them ships offline; see docs/retrieval.md): a cross-encoder.
-"""
+The alternatives and how they are fitted: docs/bench.md."""
 
 from __future__ import annotations
 

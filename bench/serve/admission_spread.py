@@ -1,16 +1,5 @@
 """Per-key limits across several ingress processes (issue 36): one key's reads through two ChatAPI
-replicas, against its configured rate.
-
-Each ingress process keeps its own buckets; a key active in n of them gets 1/n of its limits in
-each (serve_app.ingress.admission, the processes counted through Redis once a second:
-memory.ingress_presence). This starts the CPU service (config.yaml, auth.mode keys) with
-`ingress_replicas: --ingress-replicas`, then --threads threads of one user's key send
-GET /v1/memories (a read) as fast as they are answered, each waiting a 429's Retry-After as told,
-for --seconds, and counts what was admitted: with the share, at most burst + rate x seconds in all
-(what one process alone would grant); without it, up to n times that. Writes bench/results/admission_spread_cpu.json.
-
-    PYTHONPATH=$PWD .venv/bin/python -m bench.serve.admission_spread [--ingress-replicas 2]
-"""
+replicas, against its configured rate. Usage: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,47 +1,6 @@
-"""Crashes under load, measured as an operator meets them (issue 26's must-show): one start of the
-served application, then for each fault, under Locust load (50 users, memory kv, k = 50 on the
-GPU), an adder of facts (one every 0.5 s, for a user of its own), a chat prober (every 0.5 s) and
-a /health poller (every 0.2 s):
-
-- engine_core: kill -9 of the `VLLM::EngineCore` process;
-- replica: kill -9 of the LLM replica's process (`ServeReplica:kvmem:LLMReplica...`);
-- shard: kill -9 of the shard actor's process (`ray::ShardActor`);
-- redis: SIGSTOP of redis-server for --redis-stop-s (60 on the GPU), then SIGCONT.
-
-Per fault (bench/serve/crash_watch.py): recovered_s (from the kill, or the SIGSTOP, to the first
-chat answered 200 after the last failed one), recovered (3 chats in a row answered 200 within
---give-up-s), health_max_s (the longest /health answer of the whole episode, a timeout counted as
---health-timeout-s), statuses (per client, what answered during the gap: chat prober, adder, and
-Locust's own counts over its run), bad_statuses (anything but 200 and 503), lost_facts (acknowledged
-fact ids not listed afterwards; kv_states of those listed; a kv chat answered from them:
-answered_from of answer_top_k), arena_before / arena_after (/v1/shards once pending_encodes == 0:
-pages_free, bytes_free, pins, ...) and arena_tables_* (the arena's own tables: leaked_pages = pages
-used by no live entry), orphans (the victim's child processes still alive afterwards),
-durations_in_gap and timeline (every chat and add around the fault, and each /health answer over
-1 s or whose status changed: sent, client, status, seconds taken). A service
-that stayed dead is stopped and a fresh one started before the next fault (`fresh_start`). The JSON
-is written after every fault. Everything runs in this process's own service (a free port, a fresh
-Redis folder and arena folder: bench.kit.service.ServeRun), or in one a previous call left running
-(--keep-running, bench.kit.service.STATE, which bench/serve/serve_http.py reads too; with --cpu only
-one started from this checkout).
-
-On the GPU machine, staged as for bench/serve/serve_http.py (docs/gpu.md: its --prepare, stage.sh
---with-ray, the chunk copies; then carry [".device-stage/install.sh", ".serve-stage"]), one call
-starts the service (150-220 s) and runs the faults that fit its budget (a fault starts only with
---min-episode-s left; one not started is recorded as skipped), the next call, at once (a machine
-idle for 30 s is released with the service), runs the rest on the same service:
-
-    bash .device-stage/install.sh && export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 && \\
-      python3 -m bench.serve.crash_recovery --out $OUT --budget-s 420 --faults engine_core,replica --keep-running
-    export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 && \\
-      python3 -m bench.serve.crash_recovery --out $OUT --budget-s 480 --faults shard,redis
-
-Back here: `.venv/bin/python -m bench.serve.crash_recovery --merge A/faults_h200.json B/faults_h200.json`
-writes bench/results/faults_h200.json (later files win per fault) and prints the table. Each result
-names its card inside ("card"); its file is faults_<card>.json (faults_h200.json on an H200). On a CPU
-machine: `.venv/bin/python -m bench.serve.crash_recovery --cpu --faults shard,redis --redis-stop-s 15
---out /tmp/faults-cpu` (config.yaml, SmolLM2; 4 Locust users, k = 5; writes faults_cpu.json).
-"""
+"""Crashes under load, measured as an operator meets them (issue 26's must-show): processes killed
+(and Redis stopped) under load, one fault at a time, and what each cost. What is measured per
+fault and how to run it on the GPU and CPU: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The pieces of one fault episode of bench/serve/crash_recovery.py: the clients that watch the service
-while a process is killed (a /health poller, a chat prober, an adder of facts, Locust in the
-background), the victims found by their process titles (psutil) and killed, and what is read
-afterwards: the acknowledged facts listed with their KV state and a chat answered from them, the
-arena's free pages from /v1/shards, and the arena's own tables (pages held by no live entry)."""
+"""The pieces of one fault episode of bench/serve/crash_recovery.py: the clients that watch the
+service, the victims found by process title and killed, and what is read afterwards."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
 """Issue 34's start checks on the GPU: what each process of the service holds on the card through a
-start (nvidia-smi per process, every second), and a start whose plan cannot fit the card.
-
-GpuMemoryTrace runs `nvidia-smi --query-compute-apps` every second in the background and, at the
-end, names each pid by its process title (ray::ShardActor, VLLM::EngineCore, the Serve replicas):
-the peak MiB per process and when it was reached (bench/serve/crash_recovery.py traces its start with
-it). refused_start runs `serve run config.gpu.yaml` with memory.arena.device_pages forced far past
-the card and times how long until `serve run` ends, with the message it gave:
-
-    python3 -m bench.serve.gpu_fit --out $OUT --refusal      # on the GPU machine, after the staging
-
-Without a GPU (nvidia-smi absent) the trace records nothing and says so.
-"""
+start (nvidia-smi per process, every second), and a start whose plan cannot fit the card."""
 
 from __future__ import annotations
 

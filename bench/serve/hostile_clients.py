@@ -1,15 +1,5 @@
 """The hostile clients of bench/serve/tenants_flood.py (issue 36) and what the other tenant sees.
-
-- `FloodProcesses`: processes of one key, each with a chat loop and an add loop sending as fast as
-  the server answers, ignoring Retry-After (a new request as soon as the last is answered);
-- `StalledConnections`: connections that send their headers (Content-Length 1000) and 10 bytes
-  of body, then nothing; each is reopened once the server closes it, so `count` stay stalled;
-  when and how each was closed is kept;
-- `PacedChats`: the other key's chats, one started each second (or as soon as the last is
-  answered, if it took longer), timed;
-- `HealthProbe`: GET /health twice a second, timed.
-Only httpx and sockets: the processes are spawned, not forked from the driver that runs Ray.
-"""
+The clients: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
-"""What bench/serve/serve_http.py measures against a running service, one function each; each
-takes the Context and returns keys of the result:
-- examples: the README's curl requests (status codes, the memory report) and /v1/shards
-  (`index_backend`: which index serves search);
-- ttft: time to the first streamed event through HTTP, one request at a time, modes none /
-  prompt / kv x k in 5, 10, 20, 50, `rounds` requests per cell in a shuffled order per round
-  (every cell of a round asks the same LoCoMo question of a user holding conversation 0's
-  observation facts); beside it the engine's TTFT of the same request and every stage of it
-  (the answer's `timings`, the ingress's Server-Timing header);
-- floor: ms to the first streamed event through bench/serve/serve_floor.py's no-op applications,
-  from Ray Serve's own floor up to the service's real routes over a no-op replica;
-- first_chunk: the service's own chats with a one-token and a 16-token answer, to see whether the
-  rest of a request delays its first chunk;
-- ingest: bench.ingest.ingest_turns over conversation 0, one add per turn (per-add p50, KV live after
-  the last add);
-- locust: loadtest/locustfile.py headless, closed loop, k = 50, 50 output tokens, per mode and
-  number of users: QPS and TTFT p50 / p99;
-- diagnose: /health, and where a silent shard's calls wait; embedder: the query embedding on the GPU.
-"""
+"""What bench/serve/serve_http.py measures against a running service, one function each; each takes
+the Context and returns keys of the result. The measures: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""The natural alternative as a peer (issue 11): a user's whole memory as a fixed prompt prefix that
-vLLM's prefix cache keeps (memory mode `full`), against retrieval + KV injection (mode `kv`) and
-retrieval + prompt injection (mode `prompt`), as the user's memory grows.
-
-Measure `peer` of bench/serve/serve_http.py, against the running service. For each memory size N (facts
-of one user: LoCoMo's observation facts, cycled with a numbered suffix past the data's own):
-- seed the user (adds of 64 facts, waiting for their KV);
-- TTFT: `rounds` streamed requests per mode, one at a time, a different LoCoMo question each
-  (the first `full` request of a size is the cold one, reported apart: it prefills the memory);
-  time to the first streamed event through HTTP, the engine's TTFT and the cached prompt tokens;
-- QPS: `clients` closed-loop clients for `seconds` per mode, 50 output tokens.
-`full` keeps the oldest facts that fit the engine's context (engine.max_model_len), reported as
-`full_prompt_tokens`. k = 10 for kv and prompt.
-"""
+"""The natural alternative as a peer (issue 11): a user's whole memory as a fixed prompt prefix
+(memory mode `full`) against retrieval + KV injection and retrieval + prompt injection (docs/bench.md)."""
 
 from __future__ import annotations
 

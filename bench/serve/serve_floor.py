@@ -1,25 +1,5 @@
-"""The floor of Ray Serve itself: no-op applications with the service's hop structure.
-
-bench/serve/serve_http.py deploys these next to the real application (same Ray cluster, same HTTP
-proxy) and times the first streamed byte through them, so "the service's own overhead" is
-measured against what Serve costs with no work at all:
-
-- `floor_chain` (route /floor): proxy -> FastAPI ingress deployment -> DeploymentHandle
-  (stream=True) -> a replica deployment that yields one server-sent event and [DONE]; the
-  ingress awaits the first event before it answers, as serve_app.ingress.routes.ChatAPI does.
-- `floor_direct` (route /floor-direct): proxy -> one deployment that streams the same events.
-
-Two more rungs between that floor and the service (`routing: direct`), so the service's time
-above the floor can be split by cause in one run:
-
-- `floor_direct_routed` (route /floor-direct-routed): floor_direct behind the service's request
-  router (serve_app.ingress.shard_router.UserShardRouter, with the replica metadata it routes on).
-- `floor_routes_app` (route /floor-routes, built with the service's own `args`): the service's
-  real HTTP routes (serve_app.ingress.routes.ChatRoutes: API keys, the user -> shard map, the request
-  model, stage timings and metrics) behind UserShardRouter, where the LLM replica's `chat_stream`
-  is a no-op that streams the same event. The only difference left to the service is the replica's
-  own work (planning, the engine, building chunks), which the service reports per stage.
-"""
+"""The floor of Ray Serve itself: no-op applications with the service's hop structure
+(docs/bench.md)."""
 
 from __future__ import annotations
 

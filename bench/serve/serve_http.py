@@ -1,28 +1,6 @@
 """The served application on a GPU, measured as a user meets it (issue 10): `serve run
-config.gpu.yaml`, the README's curl examples, time to first token through HTTP against the
-engine's own and Ray Serve's floor, Locust QPS, and turn-by-turn ingest.
-
-On a CPU machine (writes the ignored folder .serve-stage/: the Llama-3.1-8B config with
-SmolLM2's tokenizer, and LoCoMo's first conversation, which never enters the repository):
-
-    .venv/bin/python -m bench.serve.serve_http --prepare
-    bash ../shared/device/stage.sh --with-ray $(.venv/bin/python -m bench.serve.serve_http --wheels)
-
-On the GPU machine, after the staged chunks (carry .device-stage/install.sh and .serve-stage):
-
-    bash .device-stage/install.sh && export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 && \\
-      python3 -m bench.serve.serve_http --out $OUT --budget-s 560
-
-What runs there: a local Redis, then `serve run` of config.gpu.yaml plus the no-op applications of
-bench/serve/serve_floor.py (Ray Serve's floor with the service's hop structure, and with one
-deployment) in the same Ray cluster and HTTP proxy (bench.kit.service.ServeRun), with KVMEM_*
-overrides: the model is the Llama-3.1-8B architecture with random weights (`engine.load_format:
-dummy`; the weights do not travel) and SmolLM2's 49,152-token vocabulary (the Llama tokenizer is not
-available offline), cuVS CAGRA as the index. Then the measures (bench/serve/http_measures.py,
-prefix_peer.py, serve_profile.py) in the order of --parts while the time budget lasts. Results:
-$OUT/serve_<card>.json (serve_h200.json on an H200, serve_cpu.json with --cpu; the card inside),
-the service log, Locust's CSVs. `--plot bench/results/serve_h200.json` draws its PNG on the CPU side.
-"""
+config.gpu.yaml`, the README's curl examples, TTFT through HTTP against the engine's own and Ray
+Serve's floor, Locust QPS, and turn-by-turn ingest. Staging and usage: docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""Where the served application's processes spend their time under load (issue 10's QPS gap).
-
-Through HTTP on the H200 the service answered ~100 chats/s without memory while its engine alone
-does 362: the bound is outside the engine. This part runs Locust (closed loop, k = 50, 50 output
-tokens; bench.serve.http_measures.run_locust) in modes none and kv while py-spy samples, from outside,
-the processes of one request's path: Serve's HTTP proxy, the LLM replica (the HTTP routes,
-planning's client, vLLM's front end and output handling), the memory shard actor and vLLM's
-engine core. py-spy samples only the thread holding the GIL (`--gil`), so per process and mode
-the report's `gil_busy` is the share of the time its Python ran (near 1.0: that process's
-Python is the bound), with the functions holding it most, by self time and including callees.
-
-    python3 -m bench.serve.serve_http --parts profile --profile-users 100 ...   (on the GPU machine)
-
-py-spy (a sampling profiler that attaches to a running process) rather than an in-process
-profiler: the processes are Ray's and vLLM's, started by `serve run`, and must not be slowed
-by tracing every call. Its binary comes with the staged wheels (.serve-stage/bin/py-spy).
-"""
+"""Where the served application's processes spend their time under load (issue 10's QPS gap): py-spy
+profiles. Usage: docs/bench.md."""
 
 from __future__ import annotations
 

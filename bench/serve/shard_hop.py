@@ -1,19 +1,5 @@
-"""What the replica -> shard actor hop costs by itself (issue 10: planning's "shard hop").
-
-A chat request's plan comes from the user's shard, a Ray actor (actors/shard_actor.py), through
-one actor call from the LLM replica (an async Serve replica). This measures that call without
-the shard's work: an async caller actor awaits, one at a time, a synchronous actor started with
-the shard's own options (SHARD_ACTOR_OPTIONS) that returns
-- nothing (Ray's own round trip), and
-- a realistic ChatPlan (memory.planner) of k facts: token ids, injection params and k hits,
-so the difference is the plan's serialization. Also the plan's pickle + unpickle alone, and the
-same two answers over a ZeroMQ socket served by a thread of the shard's process (`ipc_*`: what
-actors.plan_channel does for chat plans).
-
-    .venv/bin/python -m bench.serve.shard_hop [--k 10,50] [--out bench/results/shard_hop_cpu.json]
-
-Absolute times are this machine's; the split between Ray's floor and the plan is what carries over.
-"""
+"""What the replica -> shard actor hop costs by itself (issue 10: planning's "shard hop"). Usage:
+docs/bench.md."""
 
 from __future__ import annotations
 

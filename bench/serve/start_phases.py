@@ -1,13 +1,5 @@
-"""The service's start, phase by phase, on this machine: Ray and Serve, then the application until it
-answers (serve.run returns), with the replica's own phases from /v1/shards (`start_phases`: tokenizer,
-memory plan, arena, shard and engine together, the engine's build, the shard's Redis rebuild,
-embedder, index) and vLLM's own start lines from the Ray logs.
-
-    python -m bench.serve.start_phases [--repeats 2] [--out bench/results/start_phases_cpu.json]
-
-Each repeat is a first start: a fresh arena folder, a fresh Redis prefix (nothing to rebuild), Ray
-started anew. Run it under the machine's heavy-work lock; it prints a table and writes the JSON.
-"""
+"""The service's start, phase by phase, on this machine: Ray and Serve, the application until it
+answers, the replica's own phases from /v1/shards and vLLM's start lines (docs/bench.md)."""
 
 from __future__ import annotations
 

@@ -1,38 +1,5 @@
 """One tenant's flood against another tenant's chats, on the CPU service: fairness (issue 25) and
-hostile clients (issue 36).
-
-Starts the service itself (config.yaml's settings, auth.mode keys, a fresh Redis and arena, Ray
-in this process, Serve's proxy with serve_app.ingress.proxy_guard), mints an API key for each of
-two users (A: ann, B: bea), then one of three runs:
-
-Fairness (default; issue 25; admission off, so that the shard's own fairness is what is measured):
-1. B stores --b-facts facts (waiting for their KV) and chats alone: --alone-chats chats of
-   --max-tokens tokens, memory mode kv, one after another;
-2. A floods: --clients clients each add --batch-facts-fact batches as fast as they are answered for
-   --flood-s seconds (a 429's Retry-After is honoured, at most --max-backoff-s), while B keeps
-   chatting as in 1;
-3. once A's backlog is encoded (at most --drain-wait-s), B chats alone again as in 1: the alone
-   p50 is over both sets, so a change in the shared machine's load counts on both sides;
-4. afterwards: every fact A got a 200 for must be listed (lost_facts), and B's facts must still
-   have live KV (b_facts_evicted: B's facts whose KV is not live once the flood is over).
-   Writes bench/results/tenants_cpu.json (--unfair: the fairness settings off, tenants_cpu_unfair.json).
-
---hostile (issue 36; config.yaml's admission): B chats once a second alone for --alone-s; then
---processes processes of A's key each send chats and adds (4 facts) as fast as the server answers,
-ignoring Retry-After, for --flood-s while B keeps chatting once a second; then, A's backlog
-encoded, B alone again for --alone-s. /health is probed twice a second throughout. Writes
-bench/results/flood_cpu.json: B's p50 and p95 during the flood against alone (both sides), A's
-statuses and answer times, /health's slowest answer.
-
---stalled N (issue 36): as --hostile, but instead of the flood N connections send their headers
-(Content-Length 1000) and 10 bytes of body and stall, each reopened once closed, for --flood-s;
-with the settings admin key, which admission does not limit, so every one waits for its body.
-Writes bench/results/stalled_cpu.json: how long each was held and how it was answered, B's p50.
-
-    PYTHONPATH=$PWD .venv/bin/python -m bench.serve.tenants_flood [--unfair]
-    PYTHONPATH=$PWD .venv/bin/python -m bench.serve.tenants_flood --hostile
-    PYTHONPATH=$PWD .venv/bin/python -m bench.serve.tenants_flood --stalled 100
-"""
+hostile clients (issue 36). What is measured and usage: docs/bench.md."""
 
 from __future__ import annotations
 
