@@ -1,7 +1,7 @@
 """The bench kit (bench/kit/results.py): every result names its card inside, percentiles and
 tables as the benches print them, a failing section recorded while the next one runs. Pure: no
 service, no engine. And bench/ as a whole (issue 35): every runnable bench answers `--help`, none
-imports tests/, and its Python stays within a line limit."""
+imports tests/."""
 
 from __future__ import annotations
 
