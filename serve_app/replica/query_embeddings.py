@@ -10,7 +10,8 @@ Each request is bounded before it runs: at most `embeddings.max_inputs` texts, e
 tokens the model reads (a longer one is refused, naming it, not silently cut as encode() would),
 at most `embeddings.max_request_tokens` in all; requests run one at a time per replica on one
 worker thread, each waiting at most `embeddings.timeout_s` (503 past it; a request whose caller
-gave up before its turn is never run). A mixin of MemoryLLM (serve_app.replica.server).
+gave up before its turn is never run). QueryEmbeddings is held by MemoryLLM (serve_app.replica.server),
+which makes it at the replica's start and answers Serve's `embed` calls through it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import base64
 import concurrent.futures
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from memory.embedder import Embedder
 from serve_app.embeddings_protocol import EmbedderBusy, Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from serve_app.protocol import NotFound, RequestRejected
+from serve_app.settings import ServiceSettings
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +41,15 @@ def encoded(row: np.ndarray, encoding_format: str | None) -> list[float] | str:
 
 
 class QueryEmbeddings:
-    """embed(), for the deployment class that also is a MemoryLLM."""
+    """embed() with a replica-local copy of the query embedder (module docstring)."""
 
-    settings: Any  # serve_app.settings.ServiceSettings
+    def __init__(self, settings: ServiceSettings) -> None:
+        """Starts loading the embedder on the worker thread that will run it (made at the replica's start)."""
+        self.settings = settings
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="embeddings")
+        self._embedder: concurrent.futures.Future[Embedder] = self._worker.submit(self._load_embedder)
 
-    def _start_embedder(self) -> None:
-        """Loads the embedder on the worker thread that will run it (at the replica's start)."""
-        self._embed_worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="embeddings")
-        self._embedder = self._embed_worker.submit(self._load_embedder)
-
-    def _load_embedder(self) -> Any:
+    def _load_embedder(self) -> Embedder:
         started = time.perf_counter()
         embedder = Embedder(self.settings.memory.embedding_model, device=self.settings.embeddings.device)
         embedder.embed(["warm up"])  # the first encode's own one-time costs, here rather than in a request
@@ -97,9 +98,9 @@ class QueryEmbeddings:
                 "send fewer texts per request", param="input", code="request_too_large",
             )
 
-    async def _on_worker(self, work: Any, deadline: float) -> Any:
+    async def _on_worker(self, work: Callable[[], Any], deadline: float) -> Any:
         """`work()` on the embedder's thread, after the requests before it; never run once its caller gave up."""
-        return await self._in_time(asyncio.wrap_future(self._embed_worker.submit(work)), deadline)
+        return await self._in_time(asyncio.wrap_future(self._worker.submit(work)), deadline)
 
     @staticmethod
     async def _in_time(waited: "asyncio.Future[Any]", deadline: float) -> Any:

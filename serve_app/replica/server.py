@@ -30,6 +30,7 @@ from memory.prompting import PromptLayout
 from memory.add_plan import AddResult
 from memory.records import FactEvent, FactRecord, MemoryHit, UnknownFact
 from serve_app.completion_protocol import CompletionRequest, CompletionResponse
+from serve_app.embeddings_protocol import EmbeddingRequest, EmbeddingResponse
 from serve_app.memory_protocol import AddMemoryRequest
 from serve_app.protocol import ChatCompletionRequest, ChatCompletionResponse, EngineUnavailable, NotFound, RequestRejected
 from serve_app.replica.adding import MemoryAdds
@@ -69,7 +70,7 @@ def _not_found() -> Iterator[None]:
         raise NotFound(str(exc.args[0] if exc.args else exc)) from None
 
 
-class MemoryLLM(QueryEmbeddings):
+class MemoryLLM:
     """One vLLM engine with its memory shard: the replica's work, whichever deployment runs it
     (LLMReplica below, behind the ChatAPI router; or serve_app.direct_ingress.ReplicaIngress)."""
 
@@ -103,7 +104,7 @@ class MemoryLLM(QueryEmbeddings):
         self.driver = EncodeDriver.for_memory(self.shard, self.engine, settings.memory, self.metrics.encoded, self.chats_running)
         self.completions = TextCompleter(lambda: self.engine, self.tokenizer, self.limits, settings, self.chats_running, self.metrics,
                                          self.replica_id, self._user_salt, self._ensure_driver)  # POST /v1/completions
-        self._start_embedder()  # POST /v1/embeddings' copy of the query embedder, loaded on its own thread
+        self.embeddings = QueryEmbeddings(settings)  # POST /v1/embeddings' copy of the query embedder, loaded on its own thread
         # the engine's first-logprobs compile, paid now (serve_app.replica.warm_up); a rebuilt engine again
         self.warm_ups = WarmUps(list(self.tokenizer("Hello").input_ids), settings.engine_restart_timeout_s, settings.engine.warm_up)
         self.warm_ups.ensure(self.engine)
@@ -239,6 +240,11 @@ class MemoryLLM(QueryEmbeddings):
         """POST /v1/completions with stream: server-sent events (serve_app.replica.text_completions)."""
         async for event in self.completions.complete_stream(request, cache_scope):
             yield event
+
+    # ------------------------------------------------------------------ embeddings
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        """POST /v1/embeddings (serve_app.replica.query_embeddings)."""
+        return await self.embeddings.embed(request)
 
     def _user_salt(self, user_id: str) -> str:
         """The user's prefix-cache scope: their requests share cached blocks with no one else."""
