@@ -342,3 +342,66 @@ def test_connections_that_wait_as_told_are_not_charged_for_each_other(clock: Clo
                 except Refused as refused:
                     told[connection] = clock.now + refused.hold_s + refused.retry_after_s
     assert 22 <= admitted <= 32  # about the rate (1 a second, a burst of 2), never starved by debt
+
+
+# ------------------------------------------------------------------------------ engine turns
+ANN = Principal("key_00000000ann", frozenset({"ann"}))
+
+
+def test_a_key_spending_its_whole_rate_waits_for_another_keys_chat_and_one_within_its_rate_never_waits(clock: Clock) -> None:
+    """serve_app.ingress.engine_turns: ann drained her chat bucket (3 chats at once at 1 a second);
+    her next chat waits while bea's runs and goes the moment bea's is answered; bea's never waits."""
+    admission = Admission(settings(max_engine_requests_per_key=4, fair_turn_hold_s=5.0), clock=clock)
+
+    async def run() -> tuple[float, float, float]:
+        for _ in range(2):
+            admission.release(admission.admit(ANN, "chats"))  # 3 -> 1 token left: below half the burst
+        bea = admission.admit(BEA, "chats")
+        assert bea.yields is None and bea.turn_of == BEA.key_id  # within her rate: others yield to her
+        assert await admission.wait_turn(bea) == 0.0
+        ann = admission.admit(ANN, "chats")
+        assert ann.yields == ANN.key_id and ann.turn_of is None
+        waiting = asyncio.ensure_future(admission.wait_turn(ann))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # bea's chat is running
+        admission.release(bea)
+        waited = await asyncio.wait_for(waiting, 1.0)
+        admission.release(ann)
+        # while ann's yielding chat runs, another of hers (a second connection) does not wait for it
+        clock.now += 1.0
+        first = admission.admit(ANN, "chats")
+        clock.now += 1.0
+        second = admission.admit(ANN, "chats")
+        assert first.yields and second.yields
+        alone = await asyncio.wait_for(admission.wait_turn(second), 1.0)
+        return waited, alone, admission.turns.waits
+
+    waited, alone, waits = asyncio.run(run())
+    assert 0.15 <= waited < 1.0 and alone == 0.0 and waits == 1
+
+
+def test_a_yielding_chat_is_slowed_never_starved(clock: Clock) -> None:
+    """A chat of another key that never ends holds a saturating key's chat only fair_turn_hold_s."""
+    admission = Admission(settings(max_engine_requests_per_key=4, fair_turn_hold_s=0.3), clock=clock)
+
+    async def run() -> float:
+        for _ in range(2):
+            admission.release(admission.admit(ANN, "chats"))
+        admission.admit(BEA, "chats")  # never answered
+        return await asyncio.wait_for(admission.wait_turn(admission.admit(ANN, "chats")), 2.0)
+
+    assert 0.25 <= asyncio.run(run()) < 1.0
+
+
+def test_engine_turns_off_and_other_classes_never_wait(clock: Clock) -> None:
+    admission = Admission(settings(max_engine_requests_per_key=4, fair_turn_hold_s=0.0), clock=clock)
+
+    async def run() -> list[float]:
+        for _ in range(2):
+            admission.release(admission.admit(ANN, "chats"))
+        admission.admit(BEA, "chats")
+        writes = admission.admit(ANN, "writes")
+        assert writes.yields is None and writes.turn_of is None
+        return [await admission.wait_turn(admission.admit(ANN, "chats")), await admission.wait_turn(writes)]
+
+    assert asyncio.run(run()) == [0.0, 0.0]

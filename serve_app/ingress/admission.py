@@ -39,6 +39,7 @@ from typing import Callable, Literal, Protocol
 
 from memory.ingress_presence import IngressPresence
 from memory.key_store import Principal
+from serve_app.ingress.engine_turns import EngineTurns
 from serve_app.client_limits import AdmissionSettings, RateLimit
 from serve_app.settings import ServiceSettings
 
@@ -97,10 +98,14 @@ class _Bucket:
 
 @dataclass
 class Ticket:
-    """What an admitted request holds until it is answered (`Admission.release`)."""
+    """What an admitted request holds until it is answered (`Admission.release`). A chat either
+    yields to other keys' chats (`yields`: its key spends its whole rate) or is one they yield to
+    (`turn_of`: its key, counted in EngineTurns while it runs)."""
 
     running: tuple[str, str] | None = None
     released: bool = field(default=False)
+    yields: str | None = None
+    turn_of: str | None = None
 
 
 class Admission:
@@ -116,6 +121,7 @@ class Admission:
         self._last_401: dict[str, float] = {}
         self._running_retry_at: dict[tuple[str, str], float] = {}  # when an in-flight refusal said to come back
         self._told: dict[tuple[tuple[str, str, str], str], float] = {}  # (bucket, connection) -> when it may call again
+        self.turns = EngineTurns(settings.fair_turn_hold_s)
 
     @classmethod
     def of(cls, settings: ServiceSettings) -> "Admission":
@@ -155,10 +161,19 @@ class Admission:
                               hold_s=self.settings.refusal_hold_s if early else 0.0)
         (user,) = principal.users if principal.users is not None and len(principal.users) == 1 else (None,)
         scope = ("user", user, self.settings.per_user) if user is not None else ("key", key, self.settings.per_key)
-        self._take(scope[0], scope[1], kind, getattr(scope[2], kind), share, key, connection)
+        left = self._take(scope[0], scope[1], kind, getattr(scope[2], kind), share, key, connection)
         if running is not None:
             self._running[running] += 1
-        return Ticket(running)
+        if kind != "chats":
+            return Ticket(running)
+        if left < max(1.0, getattr(scope[2], kind).burst * share) / 2:  # spending its rate as fast as it refills
+            return Ticket(running, yields=key)
+        self.turns.start(key)
+        return Ticket(running, turn_of=key)
+
+    async def wait_turn(self, ticket: Ticket) -> float:
+        """A yielding chat waits for other keys' chats (serve_app.ingress.engine_turns); seconds waited."""
+        return await self.turns.wait_turn(ticket.yields) if ticket.yields is not None else 0.0
 
     def admit_user(self, principal: Principal, user_id: str, kind: RequestClass) -> None:
         """The user's buckets, for a key of several users once the body named the user (Refused past them)."""
@@ -167,8 +182,12 @@ class Admission:
         self._take("user", user_id, kind, getattr(self.settings.per_user, kind), self._share(principal.key_id), principal.key_id)
 
     def release(self, ticket: Ticket) -> None:
-        if ticket.running is not None and not ticket.released:
-            ticket.released = True
+        if ticket.released:
+            return
+        ticket.released = True
+        if ticket.turn_of is not None:
+            self.turns.end(ticket.turn_of)
+        if ticket.running is not None:
             self._running[ticket.running] -= 1
             if self._running[ticket.running] <= 0:
                 del self._running[ticket.running]
@@ -206,7 +225,8 @@ class Admission:
 
     def _take(
         self, scope: str, name: str, kind: RequestClass, limit: RateLimit, share: float, key_id: str, connection: str | None = None
-    ) -> None:
+    ) -> float:
+        """Take a token from the bucket (Refused when there is none); the tokens left."""
         now = self._clock()
         slot = (scope, name, kind)
         bucket = self._buckets.get(slot)
@@ -217,7 +237,7 @@ class Admission:
         wait = bucket.wait(limit, share, now)
         if wait <= 0.0:
             bucket.tokens -= 1.0
-            return
+            return bucket.tokens
         came_back_early = bucket.retry_at > now  # the user (or key) was told to wait: held
         told = (slot, connection)
         if connection is not None and self._told.get(told, 0.0) > now:
