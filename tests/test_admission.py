@@ -405,3 +405,21 @@ def test_engine_turns_off_and_other_classes_never_wait(clock: Clock) -> None:
         return [await admission.wait_turn(admission.admit(ANN, "chats")), await admission.wait_turn(writes)]
 
     assert asyncio.run(run()) == [0.0, 0.0]
+
+
+def test_a_key_refused_at_its_in_flight_cap_yields_for_a_while(clock: Clock) -> None:
+    """A client that sends again as soon as it is answered meets its in-flight cap long before its
+    rate: that refusal marks its key at its limits, and its chats yield for the next seconds."""
+    admission = Admission(settings(fair_turn_hold_s=2.0), clock=clock)  # one chat at once per key of one user
+    running = admission.admit(ANN, "chats")
+    assert running.yields is None  # a full bucket, never refused
+    with pytest.raises(Refused):
+        admission.admit(ANN, "chats")  # the second process of the same key
+    admission.release(running)
+    clock.now += 1.0
+    again = admission.admit(ANN, "chats")
+    assert again.yields == ANN.key_id
+    admission.release(again)
+    clock.now += 10.0
+    assert admission.admit(BEA, "chats").yields is None  # bea was never refused
+    assert admission.admit(ANN, "chats").yields is None  # ann's refusal is 10 s old: not at her limits any more

@@ -49,6 +49,7 @@ ADD_PATHS = frozenset({"/v1/memories", "/v3/memories/add"})
 RUNNING_KIND = {"chats": "engine", "writes": "writes"}  # the in-flight cap each class counts against
 _IDLE_S = 120.0  # buckets untouched this long are full again: forgotten when the tables grow
 _MAX_ENTRIES = 100_000
+SATURATED_FOR_S = 5.0  # a key refused this recently is at its limits: its chats yield (serve_app.ingress.engine_turns)
 
 
 def request_class(verb: str, path: str) -> RequestClass:
@@ -122,6 +123,7 @@ class Admission:
         self._running_retry_at: dict[tuple[str, str], float] = {}  # when an in-flight refusal said to come back
         self._told: dict[tuple[tuple[str, str, str], str], float] = {}  # (bucket, connection) -> when it may call again
         self.turns = EngineTurns(settings.fair_turn_hold_s)
+        self._last_refused: dict[str, float] = {}  # key -> when it was last refused (429)
 
     @classmethod
     def of(cls, settings: ServiceSettings) -> "Admission":
@@ -153,6 +155,7 @@ class Admission:
             cap, setting = self._cap(running[1], principal)
             if self._running[running] >= max(1, math.floor(cap * share)):
                 now = self._clock()
+                self._last_refused[key] = now
                 early = self._running_retry_at.get(running, 0.0) > now  # told to retry in a second, and did not wait
                 self._running_retry_at[running] = now + 1.0
                 what = "chats and completions" if kind == "chats" else "memory writes"
@@ -161,12 +164,16 @@ class Admission:
                               hold_s=self.settings.refusal_hold_s if early else 0.0)
         (user,) = principal.users if principal.users is not None and len(principal.users) == 1 else (None,)
         scope = ("user", user, self.settings.per_user) if user is not None else ("key", key, self.settings.per_key)
-        left = self._take(scope[0], scope[1], kind, getattr(scope[2], kind), share, key, connection)
+        try:
+            left = self._take(scope[0], scope[1], kind, getattr(scope[2], kind), share, key, connection)
+        except Refused:
+            self._last_refused[key] = self._clock()
+            raise
         if running is not None:
             self._running[running] += 1
         if kind != "chats":
             return Ticket(running)
-        if left < max(1.0, getattr(scope[2], kind).burst * share) / 2:  # spending its rate as fast as it refills
+        if self._saturated(key, left, getattr(scope[2], kind).burst * share):
             return Ticket(running, yields=key)
         self.turns.start(key)
         return Ticket(running, turn_of=key)
@@ -204,6 +211,7 @@ class Admission:
         if len(self._last_401) >= _MAX_ENTRIES:
             self._last_401 = {a: t for a, t in self._last_401.items() if now - t < self.settings.refusal_hold_s}
             self._running_retry_at = {k: t for k, t in self._running_retry_at.items() if t > now}
+            self._last_refused = {k: t for k, t in self._last_refused.items() if now - t < SATURATED_FOR_S}
         early = last is not None and now - last < self.settings.refusal_hold_s
         return self.settings.refusal_hold_s if early and self._held[f"address:{address}"] < self.settings.max_held_per_key else 0.0
 
@@ -219,6 +227,20 @@ class Admission:
         if principal.users is not None and len(principal.users) > 1:
             return self.settings.max_engine_requests_per_shared_key, "max_engine_requests_per_shared_key"
         return self.settings.max_engine_requests_per_key, "max_engine_requests_per_key"
+
+    def _saturated(self, key_id: str, tokens_left: float, burst: float) -> bool:
+        """Whether `key_id` is at its limits: its bucket below half its burst (spending its rate as
+        fast as it refills), or one of its requests refused within SATURATED_FOR_S (at its in-flight
+        cap or past its rate: a client that sends again as soon as it is answered)."""
+        if tokens_left < max(1.0, burst) / 2:
+            return True
+        refused = self._last_refused.get(key_id)
+        if refused is None:
+            return False
+        if self._clock() - refused < SATURATED_FOR_S:
+            return True
+        del self._last_refused[key_id]
+        return False
 
     def _share(self, key_id: str) -> float:
         return 1.0 / max(1, self.spread.processes(key_id)) if self.spread is not None else 1.0

@@ -5,8 +5,10 @@ they run: on the CPU engine a chat running beside another user's makes that one 
 a key that starts a chat the moment its bucket allows (one that floods, or a busy backend) took
 the engine from everyone beside it (bench/serve/tenants_flood.py --hostile, docs/hostile.md).
 
-Admission marks a chat ticket `yields` when the key's bucket for chats was below half its burst
-after the chat took its token: the key is spending its rate as fast as it refills. Such a chat
+Admission marks a chat ticket `yields` when its key is at its limits: the key's bucket for chats
+was below half its burst after the chat took its token (spending its rate as fast as it
+refills), or a request of the key was refused (429: its rate, or its in-flight cap) within the
+last few seconds (admission.SATURATED_FOR_S). Such a chat
 waits here, after admission and before its body is read, while a chat of a key that does not
 yield is running in this ingress process, at most `fair_turn_hold_s`; then it starts anyway (a
 saturating key is slowed, never starved). Chats of keys within their rate never wait, and
