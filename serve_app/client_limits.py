@@ -99,14 +99,6 @@ class AdmissionSettings(BaseModel):
     max_held_per_key: int = Field(
         8, ge=0, description="Refusals of one key held at once (refusal_hold_s); past it, refused at once with Connection: close."
     )
-    fair_turn_hold_s: float = Field(
-        2.0,
-        ge=0,
-        le=30,
-        description="A chat of a key spending its whole chat rate (its bucket below half its burst) waits at most this "
-        "long, before its body is read, while another key's chat is running, so one key at its rate cannot share "
-        "every engine step with the chats of keys within theirs (serve_app.ingress.engine_turns). 0: never waits.",
-    )
     sync_interval_s: float = Field(
         1.0,
         gt=0,

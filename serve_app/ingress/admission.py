@@ -39,7 +39,6 @@ from typing import Callable, Literal, Protocol
 
 from memory.ingress_presence import IngressPresence
 from memory.key_store import Principal
-from serve_app.ingress.engine_turns import EngineTurns
 from serve_app.client_limits import AdmissionSettings, RateLimit
 from serve_app.settings import ServiceSettings
 
@@ -49,7 +48,6 @@ ADD_PATHS = frozenset({"/v1/memories", "/v3/memories/add"})
 RUNNING_KIND = {"chats": "engine", "writes": "writes"}  # the in-flight cap each class counts against
 _IDLE_S = 120.0  # buckets untouched this long are full again: forgotten when the tables grow
 _MAX_ENTRIES = 100_000
-SATURATED_FOR_S = 5.0  # a key refused this recently is at its limits: its chats yield (serve_app.ingress.engine_turns)
 
 
 def request_class(verb: str, path: str) -> RequestClass:
@@ -99,14 +97,10 @@ class _Bucket:
 
 @dataclass
 class Ticket:
-    """What an admitted request holds until it is answered (`Admission.release`). A chat either
-    yields to other keys' chats (`yields`: its key spends its whole rate) or is one they yield to
-    (`turn_of`: its key, counted in EngineTurns while it runs)."""
+    """What an admitted request holds until it is answered (`Admission.release`)."""
 
     running: tuple[str, str] | None = None
     released: bool = field(default=False)
-    yields: str | None = None
-    turn_of: str | None = None
 
 
 class Admission:
@@ -122,8 +116,6 @@ class Admission:
         self._last_401: dict[str, float] = {}
         self._running_retry_at: dict[tuple[str, str], float] = {}  # when an in-flight refusal said to come back
         self._told: dict[tuple[tuple[str, str, str], str], float] = {}  # (bucket, connection) -> when it may call again
-        self.turns = EngineTurns(settings.fair_turn_hold_s)
-        self._last_refused: dict[str, float] = {}  # key -> when it was last refused (429)
 
     @classmethod
     def of(cls, settings: ServiceSettings) -> "Admission":
@@ -155,7 +147,6 @@ class Admission:
             cap, setting = self._cap(running[1], principal)
             if self._running[running] >= max(1, math.floor(cap * share)):
                 now = self._clock()
-                self._last_refused[key] = now
                 early = self._running_retry_at.get(running, 0.0) > now  # told to retry in a second, and did not wait
                 self._running_retry_at[running] = now + 1.0
                 what = "chats and completions" if kind == "chats" else "memory writes"
@@ -164,23 +155,10 @@ class Admission:
                               hold_s=self.settings.refusal_hold_s if early else 0.0)
         (user,) = principal.users if principal.users is not None and len(principal.users) == 1 else (None,)
         scope = ("user", user, self.settings.per_user) if user is not None else ("key", key, self.settings.per_key)
-        try:
-            left = self._take(scope[0], scope[1], kind, getattr(scope[2], kind), share, key, connection)
-        except Refused:
-            self._last_refused[key] = self._clock()
-            raise
+        self._take(scope[0], scope[1], kind, getattr(scope[2], kind), share, key, connection)
         if running is not None:
             self._running[running] += 1
-        if kind != "chats":
-            return Ticket(running)
-        if self._saturated(key, left, getattr(scope[2], kind).burst * share):
-            return Ticket(running, yields=key)
-        self.turns.start(key)
-        return Ticket(running, turn_of=key)
-
-    async def wait_turn(self, ticket: Ticket) -> float:
-        """A yielding chat waits for other keys' chats (serve_app.ingress.engine_turns); seconds waited."""
-        return await self.turns.wait_turn(ticket.yields) if ticket.yields is not None else 0.0
+        return Ticket(running)
 
     def admit_user(self, principal: Principal, user_id: str, kind: RequestClass) -> None:
         """The user's buckets, for a key of several users once the body named the user (Refused past them)."""
@@ -189,12 +167,8 @@ class Admission:
         self._take("user", user_id, kind, getattr(self.settings.per_user, kind), self._share(principal.key_id), principal.key_id)
 
     def release(self, ticket: Ticket) -> None:
-        if ticket.released:
-            return
-        ticket.released = True
-        if ticket.turn_of is not None:
-            self.turns.end(ticket.turn_of)
-        if ticket.running is not None:
+        if ticket.running is not None and not ticket.released:
+            ticket.released = True
             self._running[ticket.running] -= 1
             if self._running[ticket.running] <= 0:
                 del self._running[ticket.running]
@@ -211,7 +185,6 @@ class Admission:
         if len(self._last_401) >= _MAX_ENTRIES:
             self._last_401 = {a: t for a, t in self._last_401.items() if now - t < self.settings.refusal_hold_s}
             self._running_retry_at = {k: t for k, t in self._running_retry_at.items() if t > now}
-            self._last_refused = {k: t for k, t in self._last_refused.items() if now - t < SATURATED_FOR_S}
         early = last is not None and now - last < self.settings.refusal_hold_s
         return self.settings.refusal_hold_s if early and self._held[f"address:{address}"] < self.settings.max_held_per_key else 0.0
 
@@ -228,27 +201,12 @@ class Admission:
             return self.settings.max_engine_requests_per_shared_key, "max_engine_requests_per_shared_key"
         return self.settings.max_engine_requests_per_key, "max_engine_requests_per_key"
 
-    def _saturated(self, key_id: str, tokens_left: float, burst: float) -> bool:
-        """Whether `key_id` is at its limits: its bucket below half its burst (spending its rate as
-        fast as it refills), or one of its requests refused within SATURATED_FOR_S (at its in-flight
-        cap or past its rate: a client that sends again as soon as it is answered)."""
-        if tokens_left < max(1.0, burst) / 2:
-            return True
-        refused = self._last_refused.get(key_id)
-        if refused is None:
-            return False
-        if self._clock() - refused < SATURATED_FOR_S:
-            return True
-        del self._last_refused[key_id]
-        return False
-
     def _share(self, key_id: str) -> float:
         return 1.0 / max(1, self.spread.processes(key_id)) if self.spread is not None else 1.0
 
     def _take(
         self, scope: str, name: str, kind: RequestClass, limit: RateLimit, share: float, key_id: str, connection: str | None = None
-    ) -> float:
-        """Take a token from the bucket (Refused when there is none); the tokens left."""
+    ) -> None:
         now = self._clock()
         slot = (scope, name, kind)
         bucket = self._buckets.get(slot)
@@ -259,7 +217,7 @@ class Admission:
         wait = bucket.wait(limit, share, now)
         if wait <= 0.0:
             bucket.tokens -= 1.0
-            return bucket.tokens
+            return
         came_back_early = bucket.retry_at > now  # the user (or key) was told to wait: held
         told = (slot, connection)
         if connection is not None and self._told.get(told, 0.0) > now:

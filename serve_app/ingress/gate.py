@@ -125,8 +125,6 @@ class RequestGate:
                 await self._answer_refusal(ingress.admission, principal.key_id, refused, scope, receive, send)
                 return
         try:
-            if ticket.yields is not None:
-                state["turn_wait_ms"] = await ingress.admission.wait_turn(ticket) * 1e3
             body = await self._bounded_body(ingress, scope, receive, send)
             if body is not None:
                 await self.app(scope, self._replay(body, receive), send)
