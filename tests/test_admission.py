@@ -342,3 +342,30 @@ def test_connections_that_wait_as_told_are_not_charged_for_each_other(clock: Clo
                 except Refused as refused:
                     told[connection] = clock.now + refused.hold_s + refused.retry_after_s
     assert 22 <= admitted <= 32  # about the rate (1 a second, a burst of 2), never starved by debt
+
+
+def test_a_connection_looping_on_the_in_flight_cap_pays_tokens_and_one_that_waits_does_not(clock: Clock) -> None:
+    """Two processes of one key (one chat at once): the second, sending again as soon as its 429
+    comes back, spends the key's chat tokens as a rate refusal's debt would, so the first one's
+    chats stop running back to back; a second process that waits as told costs nothing."""
+    def looping(second: str, wait_s: float) -> tuple[int, Refused | None]:
+        admission = Admission(settings(), clock=clock)  # chats: 1 a second, bursts of 3; one at once
+        first = admission.admit(BEA, "chats", "10.0.0.1:1000")
+        refusals = 0
+        for _ in range(6):
+            with pytest.raises(Refused) as refused:
+                admission.admit(BEA, "chats", second)
+            assert refused.value.code == "too_many_requests_in_flight"
+            refusals += 1
+            clock.now += refused.value.hold_s + wait_s
+        admission.release(first)
+        try:
+            admission.release(admission.admit(BEA, "chats", "10.0.0.1:1000"))
+            return refusals, None
+        except Refused as rate:
+            return refusals, rate
+
+    refusals, after = looping("10.0.0.1:2000", wait_s=0.0)  # ignores Retry-After
+    assert refusals == 6 and after is not None and after.code == "rate_limited"  # the key's bucket is in debt
+    refusals, after = looping("10.0.0.1:3000", wait_s=1.0)  # waits the second it was told
+    assert refusals == 6 and after is None

@@ -49,10 +49,11 @@ def _flood_loop(url: str, key: str, user: str, what: str, stop_at: float, max_to
     out[what] = {"statuses": dict(statuses), "seconds_by_status": {s: quantiles(v) for s, v in seconds.items()}, "requests": n}
 
 
-def flood_process(url: str, key: str, user: str, stop_at: float, max_tokens: int, results: Any) -> None:
-    """One flooding process: a chat loop and an add loop, until `stop_at` (epoch s)."""
+def flood_process(url: str, key: str, user: str, stop_at: float, max_tokens: int, results: Any,
+                  loops_of: tuple[str, ...] = ("chats", "adds")) -> None:
+    """One flooding process: a chat loop and an add loop (or those `loops_of` names), until `stop_at` (epoch s)."""
     out: dict[str, Any] = {}
-    loops = [threading.Thread(target=_flood_loop, args=(url, key, user, what, stop_at, max_tokens, out)) for what in ("chats", "adds")]
+    loops = [threading.Thread(target=_flood_loop, args=(url, key, user, what, stop_at, max_tokens, out)) for what in loops_of]
     for loop in loops:
         loop.start()
     for loop in loops:
@@ -63,11 +64,12 @@ def flood_process(url: str, key: str, user: str, stop_at: float, max_tokens: int
 class FloodProcesses:
     """`processes` spawned flooding processes of one key (module docstring)."""
 
-    def __init__(self, url: str, key: str, user: str, processes: int, seconds: float, max_tokens: int) -> None:
+    def __init__(self, url: str, key: str, user: str, processes: int, seconds: float, max_tokens: int,
+                 loops_of: tuple[str, ...] = ("chats", "adds")) -> None:
         context = mp.get_context("spawn")
         self.results = context.Queue()
         self.stop_at = time.time() + seconds
-        self.procs = [context.Process(target=flood_process, args=(url, key, user, self.stop_at, max_tokens, self.results))
+        self.procs = [context.Process(target=flood_process, args=(url, key, user, self.stop_at, max_tokens, self.results, loops_of))
                       for _ in range(processes)]
 
     def start(self) -> "FloodProcesses":

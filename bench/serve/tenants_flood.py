@@ -239,7 +239,8 @@ def run_hostile(args: argparse.Namespace) -> dict[str, Any]:
                 "body_timeout_s": settings.get("body_timeout_s"),
             }
         else:
-            flood = FloodProcesses(url, keys["ann"], "ann", args.processes, args.flood_s, args.max_tokens).start()
+            flood = FloodProcesses(url, keys["ann"], "ann", args.processes, args.flood_s, args.max_tokens,
+                                   tuple(args.flood_loops.split(","))).start()
             during = bea.run(args.flood_s)
             outs = flood.join()
             attack = {"processes": args.processes, "per_process": outs,
@@ -262,7 +263,7 @@ def run_hostile(args: argparse.Namespace) -> dict[str, Any]:
             "load_average_1m": load,
             "b_alone_s": [round(v, 3) for v in alone_all], "b_during_s": [round(v, 3) for v in during],
             "settings": {"admission": settings.get("admission"), "body_timeout_s": settings.get("body_timeout_s"),
-                         "flood_s": args.flood_s, "alone_s": args.alone_s, "max_tokens": args.max_tokens, "b_facts": args.b_facts,
+                         "flood_s": args.flood_s, "flood_loops": args.flood_loops, "alone_s": args.alone_s, "max_tokens": args.max_tokens, "b_facts": args.b_facts,
                          "memory_mode": "kv", "auth_mode": "keys", "engine": settings["engine"]},
         }
 
@@ -300,6 +301,7 @@ def main() -> None:
     parser.add_argument("--hostile", action="store_true", help="issue 36: A's key floods chats and adds, ignoring Retry-After")
     parser.add_argument("--stalled", type=int, default=0, help="issue 36: this many connections stall in their body instead")
     parser.add_argument("--processes", type=int, default=2, help="--hostile: flooding processes of A's key")
+    parser.add_argument("--flood-loops", default="chats,adds", help="--hostile: each flooding process's loops (chats, adds or both)")
     parser.add_argument("--alone-s", type=float, default=30.0, help="--hostile, --stalled: seconds B chats alone, before and after")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -10,7 +10,9 @@ Redis, no Ray call. The class of a request (chats, writes, reads) comes from its
   `admit_user` for the user the parsed body names before any call to a replica;
 - chats and writes of one key running at once are capped (`max_engine_requests_per_key`, or
   `max_engine_requests_per_shared_key` for a key of several users; `max_writes_per_key`); one that
-  comes back within the second its refusal said has its next refusal held too;
+  comes back within the second its refusal said has its next refusal held too, and a connection
+  that does costs its bucket a token as a rate refusal's would (a second process of a flooding
+  key, looping on this refusal, otherwise kept the first one's chats running back to back);
 - admin keys (and everyone with `auth.mode: off`) are the operator's: not limited.
 
 A refusal is a 429 with `Retry-After` (whole seconds until a token is back, at least 1) and the
@@ -142,6 +144,8 @@ class Admission:
         if self.spread is not None:
             self.spread.note(key)
         share = self._share(key)
+        (user,) = principal.users if principal.users is not None and len(principal.users) == 1 else (None,)
+        scope = ("user", user, self.settings.per_user) if user is not None else ("key", key, self.settings.per_key)
         running = (key, RUNNING_KIND[kind]) if kind in RUNNING_KIND else None
         if running is not None:
             cap, setting = self._cap(running[1], principal)
@@ -149,12 +153,15 @@ class Admission:
                 now = self._clock()
                 early = self._running_retry_at.get(running, 0.0) > now  # told to retry in a second, and did not wait
                 self._running_retry_at[running] = now + 1.0
+                hold = self.settings.refusal_hold_s if early else 0.0
+                told = ((scope[0], scope[1], kind), connection)
+                if connection is not None:
+                    if self._told.get(told, 0.0) > now:  # this connection was told to wait and did not: a token all the same
+                        self._debit(told[0], getattr(scope[2], kind), share, now)
+                    self._told[told] = now + hold + 1.0
                 what = "chats and completions" if kind == "chats" else "memory writes"
                 raise Refused(f"this key already has {self._running[running]} {what} running; at most {cap} at once "
-                              f"(admission.{setting}); retry when one is answered", "too_many_requests_in_flight", 1,
-                              hold_s=self.settings.refusal_hold_s if early else 0.0)
-        (user,) = principal.users if principal.users is not None and len(principal.users) == 1 else (None,)
-        scope = ("user", user, self.settings.per_user) if user is not None else ("key", key, self.settings.per_key)
+                              f"(admission.{setting}); retry when one is answered", "too_many_requests_in_flight", 1, hold_s=hold)
         self._take(scope[0], scope[1], kind, getattr(scope[2], kind), share, key, connection)
         if running is not None:
             self._running[running] += 1
@@ -240,6 +247,16 @@ class Admission:
             f"{whose} may send {kind} at {limit.per_s:g} a second (bursts of {limit.burst}: admission.per_{scope}.{kind}); "
             f"retry after {retry_after} s", "rate_limited", retry_after, hold, close,
         )
+
+    def _debit(self, slot: tuple[str, str, str], limit: RateLimit, share: float, now: float) -> None:
+        """One token from the bucket `slot`, down to one burst of debt."""
+        bucket = self._buckets.get(slot)
+        if bucket is None:
+            if len(self._buckets) >= _MAX_ENTRIES:
+                self._forget_idle(now)
+            bucket = self._buckets[slot] = _Bucket(tokens=max(1.0, limit.burst * share), stamp=now)
+        bucket.wait(limit, share, now)  # refilled up to now
+        bucket.tokens = max(bucket.tokens - 1.0, -max(1.0, limit.burst * share))
 
     def _forget_idle(self, now: float) -> None:
         for slot in [s for s, b in self._buckets.items() if now - b.stamp > _IDLE_S]:

@@ -12,8 +12,8 @@ the engine and reported as failed; `drain(deadline_s=...)` and `settle` return a
 deadline; while the engine is dead no job is taken (an engine death costs no fact an attempt).
 Encodes run at a lower priority than chats and than extraction (serve_app.replica.scheduling),
 and while chats are served (`chats_running`, serve_app.replica.scheduling.ChatsRunning) a batch
-holds at most `batch_while_chatting` requests and is followed by a pause, so encodes take at
-most `share_while_chatting` of the time: a backlog barely slows the chats served meanwhile, and
+holds at most `batch_while_chatting` requests, starts in a gap between chats (bounded wait) and is
+followed by a pause, so encodes take at most `share_while_chatting` of the time: a backlog barely slows the chats served meanwhile, and
 chats never starve the encodes. The shard hands out jobs users round robin
 (memory.fairness.FairQueue).
 
@@ -39,6 +39,15 @@ from serve_app.replica.scheduling import ENCODE_PRIORITY
 logger = logging.getLogger(__name__)
 
 MAX_PAUSE_S = 5.0  # the longest pause after a batch while chats run (a batch that ran long)
+MAX_GAP_WAIT_S = 2.0  # the longest wait for a moment without a running chat before a batch starts anyway
+
+
+class ChatActivity(Protocol):
+    """Whether chats are being served (serve_app.replica.scheduling.ChatsRunning)."""
+
+    def __call__(self) -> bool: ...  # running, or one ended within the grace
+
+    def running_now(self) -> bool: ...  # running at this moment
 
 
 class EncodeQueue(Protocol):
@@ -157,7 +166,7 @@ class EncodeDriver:
         on_batch: Callable[[int, float], None] | None = None,
         request_timeout_s: float | None = None,
         priority: int = ENCODE_PRIORITY,
-        chats_running: Callable[[], bool] | None = None,
+        chats_running: ChatActivity | None = None,
         batch_while_chatting: int = 1,
         share_while_chatting: float = 1.0,
     ):
@@ -177,6 +186,16 @@ class EncodeDriver:
     def _chatting(self) -> bool:
         return self.chats_running is not None and self.chats_running()
 
+    async def _wait_for_gap(self) -> None:
+        """While chats are served, start a batch when none is running at this moment (a chat's
+        client usually leaves a gap before its next), waiting at most MAX_GAP_WAIT_S: an encode
+        started beside a chat shares every step with it; one started in a gap mostly ends in it."""
+        if self.chats_running is None:
+            return
+        give_up = time.perf_counter() + MAX_GAP_WAIT_S
+        while self.chats_running.running_now() and time.perf_counter() < give_up:
+            await asyncio.sleep(0.01)
+
     async def _yield_to_chats(self, batch_s: float) -> None:
         """After a batch that ran `batch_s`: while chats run, pause so that encodes take at most
         share_while_chatting of the time (the pause ends early once no chat is served)."""
@@ -188,7 +207,7 @@ class EncodeDriver:
     @classmethod
     def for_memory(
         cls, queue: EncodeQueue, engine: Any, memory: MemorySettings, on_batch: Callable[[int, float], None] | None,
-        chats_running: Callable[[], bool] | None,
+        chats_running: ChatActivity | None,
     ) -> "EncodeDriver":
         """The replica's driver: batches, timeout and share while chatting from the memory settings."""
         return cls(queue, engine, memory.encode_batch, on_batch, memory.encode_request_timeout_s, chats_running=chats_running,
@@ -196,7 +215,10 @@ class EncodeDriver:
 
     async def _one_batch(self) -> int | None:
         """Take, run and report one batch; None when the shard had nothing queued."""
-        jobs = await self.queue.take_encode_jobs(self.batch_while_chatting if self._chatting() else self.batch)
+        chatting = self._chatting()
+        if chatting:
+            await self._wait_for_gap()
+        jobs = await self.queue.take_encode_jobs(self.batch_while_chatting if chatting else self.batch)
         if not jobs:
             return None
         started = time.perf_counter()

@@ -4,8 +4,9 @@ The engine runs with vLLM's priority scheduling (scheduling_policy="priority",
 serve_app.replica.lifecycle), where a lower value is served first: a user's chat comes before
 the extraction and reconciliation generations of anyone's add, and those before the background
 capture requests that encode facts' KV. The background encoder (serve_app.replica.encode_driver)
-also reads ChatsRunning: while chats run it sends small batches and pauses between them, so the
-engine's steps are not filled with encode prompts (a priority only orders the waiting queue; an
+also reads ChatsRunning: while chats run it sends small batches, starts each in a gap between chats
+(when none is running, waiting a bounded time for one) and pauses between them, so the engine's
+steps are not filled with encode prompts (a priority only orders the waiting queue; an
 encode already running shares every step with the chats).
 """
 
@@ -46,3 +47,7 @@ class ChatsRunning:
 
     def __call__(self) -> bool:
         return self.count > 0 or time.monotonic() - self.last_ended < self.grace_s
+
+    def running_now(self) -> bool:
+        """A chat is being served at this moment (not only within the grace)."""
+        return self.count > 0
