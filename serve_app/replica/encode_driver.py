@@ -12,9 +12,9 @@ the engine and reported as failed; `drain(deadline_s=...)` and `settle` return a
 deadline; while the engine is dead no job is taken (an engine death costs no fact an attempt).
 Encodes run at a lower priority than chats and than extraction (serve_app.replica.scheduling),
 and while chats are served (`chats_running`, serve_app.replica.scheduling.ChatsRunning) a batch
-holds at most `batch_while_chatting` requests, starts in a gap between chats (bounded wait) and is
-followed by a pause, so encodes take at most `share_while_chatting` of the time: a backlog barely slows the chats served meanwhile, and
-chats never starve the encodes. The shard hands out jobs users round robin
+holds at most `batch_while_chatting` requests, starts in a gap between chats (bounded wait) and
+is followed by a pause, so encodes take at most `share_while_chatting` of the time: a backlog
+barely slows the chats served meanwhile, and chats never starve the encodes. The shard hands out jobs users round robin
 (memory.fairness.FairQueue).
 
 Works with anything that hands out and takes back jobs (EncodeQueue: an
