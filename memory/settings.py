@@ -253,6 +253,15 @@ class MemorySettings(BaseModel):
     encode_batch_while_chatting: int = Field(
         1, gt=0, description="Most encode requests of one background batch while chats are running (encode_batch otherwise)."
     )
+    encode_gap_wait_s: float = Field(
+        0.0,
+        ge=0,
+        le=10,
+        description="While chats are being served, the background encoder starts a batch only when no chat is running at "
+        "that moment, waiting at most this long (then it starts anyway). Worth it where an encode beside a chat slows "
+        "the chat (the CPU engine: config.yaml sets 2; docs/hostile.md); under constant chat load each batch waits the "
+        "whole bound, so the encodes slow down. 0: no wait (GPUs batch an encode with the chats at little cost).",
+    )
     add_encode_wait_s: float = Field(
         30.0,
         ge=0,

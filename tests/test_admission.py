@@ -349,7 +349,8 @@ def test_a_connection_looping_on_the_in_flight_cap_pays_tokens_and_one_that_wait
     comes back, spends the key's chat tokens as a rate refusal's debt would, so the first one's
     chats stop running back to back; a second process that waits as told costs nothing."""
     def looping(second: str, wait_s: float) -> tuple[int, Refused | None]:
-        admission = Admission(settings(), clock=clock)  # chats: 1 a second, bursts of 3; one at once
+        # chats: one token in 10 s, bursts of 3, one at once: six early calls would leave the bucket in debt
+        admission = Admission(settings(per_user=limits(chats=(0.1, 3))), clock=clock)
         first = admission.admit(BEA, "chats", "10.0.0.1:1000")
         refusals = 0
         for _ in range(6):
@@ -367,5 +368,5 @@ def test_a_connection_looping_on_the_in_flight_cap_pays_tokens_and_one_that_wait
 
     refusals, after = looping("10.0.0.1:2000", wait_s=0.0)  # ignores Retry-After
     assert refusals == 6 and after is not None and after.code == "rate_limited"  # the key's bucket is in debt
-    refusals, after = looping("10.0.0.1:3000", wait_s=1.0)  # waits the second it was told
+    refusals, after = looping("10.0.0.1:3000", wait_s=1.0)  # waits the second it was told: charged nothing
     assert refusals == 6 and after is None

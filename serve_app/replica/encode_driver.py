@@ -12,10 +12,10 @@ the engine and reported as failed; `drain(deadline_s=...)` and `settle` return a
 deadline; while the engine is dead no job is taken (an engine death costs no fact an attempt).
 Encodes run at a lower priority than chats and than extraction (serve_app.replica.scheduling),
 and while chats are served (`chats_running`, serve_app.replica.scheduling.ChatsRunning) a batch
-holds at most `batch_while_chatting` requests, starts in a gap between chats (bounded wait) and
-is followed by a pause, so encodes take at most `share_while_chatting` of the time: a backlog
-barely slows the chats served meanwhile, and chats never starve the encodes. The shard hands out jobs users round robin
-(memory.fairness.FairQueue).
+holds at most `batch_while_chatting` requests, starts in a gap between chats (waiting at most
+`gap_wait_s`) and is followed by a pause, so encodes take at most `share_while_chatting` of the
+time: a backlog barely slows the chats served meanwhile, and chats never starve the encodes. The
+shard hands out jobs users round robin (memory.fairness.FairQueue).
 
 Works with anything that hands out and takes back jobs (EncodeQueue: an
 actors.shard_client.ShardClient over the shard's Ray actor, or over an in-process MemoryShard
@@ -39,7 +39,6 @@ from serve_app.replica.scheduling import ENCODE_PRIORITY
 logger = logging.getLogger(__name__)
 
 MAX_PAUSE_S = 5.0  # the longest pause after a batch while chats run (a batch that ran long)
-MAX_GAP_WAIT_S = 2.0  # the longest wait for a moment without a running chat before a batch starts anyway
 
 
 class ChatActivity(Protocol):
@@ -169,7 +168,9 @@ class EncodeDriver:
         chats_running: ChatActivity | None = None,
         batch_while_chatting: int = 1,
         share_while_chatting: float = 1.0,
+        gap_wait_s: float = 0.0,
     ):
+        self.gap_wait_s = gap_wait_s  # the longest wait for a moment without a running chat before a batch
         self.chats_running = chats_running  # whether the replica is serving chats now (None: never yield)
         self.batch_while_chatting = batch_while_chatting
         self.share_while_chatting = share_while_chatting
@@ -188,11 +189,11 @@ class EncodeDriver:
 
     async def _wait_for_gap(self) -> None:
         """While chats are served, start a batch when none is running at this moment (a chat's
-        client usually leaves a gap before its next), waiting at most MAX_GAP_WAIT_S: an encode
+        client usually leaves a gap before its next), waiting at most `gap_wait_s`: an encode
         started beside a chat shares every step with it; one started in a gap mostly ends in it."""
-        if self.chats_running is None:
+        if self.chats_running is None or self.gap_wait_s <= 0:
             return
-        give_up = time.perf_counter() + MAX_GAP_WAIT_S
+        give_up = time.perf_counter() + self.gap_wait_s
         while self.chats_running.running_now() and time.perf_counter() < give_up:
             await asyncio.sleep(0.01)
 
@@ -211,7 +212,8 @@ class EncodeDriver:
     ) -> "EncodeDriver":
         """The replica's driver: batches, timeout and share while chatting from the memory settings."""
         return cls(queue, engine, memory.encode_batch, on_batch, memory.encode_request_timeout_s, chats_running=chats_running,
-                   batch_while_chatting=memory.encode_batch_while_chatting, share_while_chatting=memory.encode_share_while_chatting)
+                   batch_while_chatting=memory.encode_batch_while_chatting, share_while_chatting=memory.encode_share_while_chatting,
+                   gap_wait_s=memory.encode_gap_wait_s)
 
     async def _one_batch(self) -> int | None:
         """Take, run and report one batch; None when the shard had nothing queued."""
