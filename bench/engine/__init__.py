@@ -1,2 +1,2 @@
 """Engine benchmarks: the vLLM engine with the KV-memory connector, without the service around it
-(TTFT on GPU and CPU, the kernels, bf16 fidelity, the connector's host time). See docs/bench.md."""
+(TTFT and QPS on a GPU, the kernels, bf16 fidelity, the shared engine set-up). See docs/bench.md."""

@@ -87,17 +87,14 @@ APP_WHEELS = CUVS_WHEELS + [
     "greenlet", "python-engineio", "python-socketio", "bidict", "simple-websocket", "wsproto", "zope.event",
     "zope.interface", "blinker", "itsdangerous", "werkzeug", "brotli", "websocket-client", "psutil",
 ]
-PY_SPY_WHEEL = "py-spy==0.4.3"  # serve_profile's sampler: prepare_serve_stage unpacks its binary to .serve-stage/bin
 CUVS_LIBS = ("libcuvs/lib64", "libraft/lib64", "librmm/lib64", "rapids_logger/lib64", "libkvikio/lib64")
 
 
 def prepare_serve_stage() -> None:
     """CPU side, into .serve-stage/: the model folder (the Llama-3.1-8B config with SmolLM2's
     tokenizer and vocabulary), LoCoMo's first conversation (CC BY-NC: travels to the device, never
-    committed) and py-spy's binary."""
+    committed)."""
     import shutil
-    import tempfile
-    import zipfile
 
     from devtools.offline_models import smollm2_path
 
@@ -111,11 +108,4 @@ def prepare_serve_stage() -> None:
     (model / "config.json").write_text(json.dumps(config, indent=1))
     (model / "generation_config.json").write_text(json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}))
     (STAGE / "locomo.json").write_text(json.dumps(json.loads(locomo().read_text())[:1]))
-    with tempfile.TemporaryDirectory() as folder:
-        (wheel,) = pip_download(PY_SPY_WHEEL, Path(folder))
-        with zipfile.ZipFile(wheel) as archive:
-            (member,) = [name for name in archive.namelist() if name.endswith("/scripts/py-spy")]
-            (STAGE / "bin").mkdir(parents=True, exist_ok=True)
-            (STAGE / "bin" / "py-spy").write_bytes(archive.read(member))
-    (STAGE / "bin" / "py-spy").chmod(0o755)
-    print(f"wrote {STAGE}: model/ ({config['num_hidden_layers']} layers, vocab {config['vocab_size']}), locomo.json, bin/py-spy")
+    print(f"wrote {STAGE}: model/ ({config['num_hidden_layers']} layers, vocab {config['vocab_size']}), locomo.json")

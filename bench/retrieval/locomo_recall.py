@@ -20,8 +20,8 @@ import torch
 from bench.kit.results import RESULTS, percentiles, progress, table, write_result
 from bench.kit.stage import DEFAULT_LOCOMO
 from bench.quality.locomo_scoring import evidence_ids
-from bench.retrieval.locomo_retrievers import evaluate_retrievers, halves, oracle_bounds, print_tables, search_latency, tune
-from bench.retrieval.locomo_second_stage import second_stage_alternatives
+from bench.retrieval.locomo_retrievers import (coverage, evaluate_retrievers, halves, oracle_bounds, print_tables, search_latency,
+                                               second_stage_alternatives, summarise, tune)
 from memory.embedder import Embedder
 from memory.index import ExactIndex
 
@@ -143,25 +143,15 @@ def main() -> None:
     src_of = {f["id"]: f["src"] for f in facts}
 
     # ---- evidence recall
-    kmax = max(KS)
-    per_k: dict[int, dict[str, list[float]]] = {k: {"recall": [], "hit": []} for k in KS}
-    per_cat: dict[int, dict[int, list[float]]] = defaultdict(lambda: {k: [] for k in KS})
-    ceiling: list[float] = []
+    rows, ceiling = [], []
     for (conv_id, q), qv in zip(questions, q_vecs):
-        hits = index.search(conv_id, qv, kmax)[0]
-        ev = q["evidence"]
+        hits = index.search(conv_id, qv, max(KS))[0]
         all_src = set().union(*(src_of[f] for f in index.fact_ids(conv_id)))
-        ceiling.append(len(ev & all_src) / len(ev))
-        for k in KS:
-            covered = set().union(*(src_of[h.fact_id] for h in hits[:k])) if hits else set()
-            r = len(ev & covered) / len(ev)
-            per_k[k]["recall"].append(r)
-            per_k[k]["hit"].append(float(r > 0))
-            per_cat[q["category"]][k].append(r)
-    recall = {f"@{k}": {"recall": round(float(np.mean(v["recall"])), 4), "hit": round(float(np.mean(v["hit"])), 4)} for k, v in per_k.items()}
-    by_category = {
-        str(cat): {"questions": len(v[KS[0]]), **{f"recall@{k}": round(float(np.mean(v[k])), 4) for k in KS}} for cat, v in sorted(per_cat.items())
-    }
+        ceiling.append(len(q["evidence"] & all_src) / len(q["evidence"]))
+        rows.append((q["category"], coverage(src_of, [h.fact_id for h in hits], q["evidence"])))
+    dense = summarise(rows)
+    recall = {f"@{k}": {"recall": dense[f"recall@{k}"], "hit": dense[f"hit@{k}"]} for k in KS}
+    by_category = dense["by_category"]
 
     # ---- exact CPU latency, 2,000-fact user
     lat_vecs = fact_vecs[: args.latency_facts]

@@ -1,13 +1,15 @@
 """LoCoMo evidence recall per retriever through the shard's own retrieval code
-(memory.retrieval.Retriever over an ExactIndex), and the CPU cost of a hybrid search;
-bench/retrieval/locomo_recall.py calls it. Protocol: docs/bench.md, docs/retrieval.md."""
+(memory.retrieval.Retriever over an ExactIndex), the CPU cost of a hybrid search, and the second
+stages tried over the first stage's top 50; bench/retrieval/locomo_recall.py calls it. Protocol:
+docs/bench.md, docs/retrieval.md."""
 
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,7 @@ from bench.kit.results import percentiles, progress
 from memory.fact_store import FactRecord
 from memory.index import ExactIndex
 from memory.index.keyword import KeywordIndex
-from memory.retrieval import Retriever, RetrievalSettings, turn_diverse
+from memory.retrieval import Retriever, RetrievalSettings, is_time_question, turn_diverse
 
 KS = (5, 10, 20, 50)
 
@@ -61,6 +63,11 @@ def build(convs: list[dict], fact_vecs: np.ndarray, settings: RetrievalSettings)
     return retriever
 
 
+def coverage(src: dict[str, set[str]], ids: Sequence[str], evidence: set[str], ks: Sequence[int] = KS) -> list[float]:
+    """Recall at each k: the share of the evidence turns that the top-k facts (`ids`) cite."""
+    return [len(evidence & set().union(*(src[f] for f in ids[:k]))) / len(evidence) for k in ks]
+
+
 def recall_rows(
     convs: list[dict], q_vecs: np.ndarray, retriever: Retriever, subset: Sequence[int], desc: str | None = None
 ) -> list[tuple[int, list[float]]]:
@@ -72,12 +79,7 @@ def recall_rows(
         conv, q = convs[ci], convs[ci]["questions"][qi]
         src = {f["id"]: f["src"] for f in conv["facts"]}
         hits = retriever.search(conv["id"], q["text"], q_vecs[offsets[ci] + qi], max(KS))
-        ev = q["evidence"]
-        row = []
-        for k in KS:
-            covered = set().union(*(src[h.fact_id] for h in hits[:k])) if hits else set()
-            row.append(len(ev & covered) / len(ev))
-        rows.append((q["category"], row))
+        rows.append((q["category"], coverage(src, [h.fact_id for h in hits], q["evidence"])))
     return rows
 
 
@@ -130,8 +132,7 @@ def oracle_bounds(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray, 
             for p in pools:
                 pool = ids[:p]
                 ordered = [f for f in pool if src[f] & q["evidence"]] + [f for f in pool if not src[f] & q["evidence"]]
-                covered = set().union(*(src[f] for f in ordered[:10])) if ordered else set()
-                rows[p].append((q["category"], [len(q["evidence"] & covered) / len(q["evidence"])] * len(KS)))
+                rows[p].append((q["category"], coverage(src, ordered, q["evidence"], (10,)) * len(KS)))
     out = {}
     for p in pools:
         summary = summarise(rows[p])
@@ -229,3 +230,119 @@ def print_tables(results: dict[str, Any]) -> None:
             r = res[subset]
             cats = " | ".join(f"{r['by_category'][c]['recall@10']:.3f}" if c in r["by_category"] else "-" for c in CATEGORIES)
             print(f"| {name} | " + " | ".join(f"{r[f'recall@{k}']:.3f}" for k in KS) + f" | {cats} |")
+
+
+# ------------------------------------------------------------------------------ second stages
+# tried over the shipped first stage's top 50 (docs/bench.md: the alternatives and how they are fitted)
+_NAME = re.compile(r"\b[A-Z][a-z]+")
+_WORDS = re.compile(r"[a-z]+")
+Ranker = Callable[[dict[str, Any]], list[str]]
+
+
+def candidates(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray, depth: int = 50) -> list[dict[str, Any]]:
+    """Per question: the first stage's top `depth` ids with their dense cosines and BM25 scores."""
+    retriever = build(convs, fact_vecs, RetrievalSettings(rerank="none"))
+    offsets = np.cumsum([0] + [len(c["questions"]) for c in convs])
+    out = []
+    for ci, conv in enumerate(convs):
+        facts = {f["id"]: f for f in conv["facts"]}
+        for qi, q in enumerate(conv["questions"]):
+            hits = retriever.search(conv["id"], q["text"], q_vecs[offsets[ci] + qi], depth)
+            keyword = {h.fact_id: h.score for h in retriever.keyword.search(conv["id"], q["text"], depth)}
+            out.append({"ci": ci, "q": q, "facts": facts, "ids": [h.fact_id for h in hits], "cos": [h.score for h in hits], "kw": keyword})
+    return out
+
+
+def _score(rows: list[dict[str, Any]], rank: Ranker, idx: Sequence[int]) -> dict[str, Any]:
+    out = []
+    for row in rows:
+        if row["ci"] not in idx:
+            continue
+        src = {f: fact["src"] for f, fact in row["facts"].items()}
+        out.append((row["q"]["category"], coverage(src, rank(row), row["q"]["evidence"])))
+    return summarise(out)
+
+
+def _turn(row: dict[str, Any]) -> Callable[[str], str | None]:
+    return lambda f: row["facts"][f]["source_id"]
+
+
+def entity_boost(w: float) -> Ranker:
+    def rank(row: dict[str, Any]) -> list[str]:
+        names = {n.lower() for n in _NAME.findall(row["q"]["text"])[1:]}
+        score = []
+        for r, f in enumerate(row["ids"]):
+            words = set(_WORDS.findall(row["facts"][f]["text"].lower()))
+            score.append(1 / (11 + r) + (w * 0.05 * len(names & words) / len(names) if names else 0.0))
+        return [row["ids"][i] for i in np.argsort(-np.array(score), kind="stable")]
+
+    return rank
+
+
+def session_diversity(penalty: float) -> Ranker:
+    def rank(row: dict[str, Any]) -> list[str]:
+        left, taken, out = list(row["ids"]), {}, []
+        base = {f: 1 / (11 + r) for r, f in enumerate(row["ids"])}
+        session = {f: (row["facts"][f]["source_id"] or "").split(":")[0] for f in left}
+        while left:
+            best = max(left, key=lambda f: base[f] * penalty ** taken.get(session[f], 0))
+            out.append(best)
+            left.remove(best)
+            taken[session[best]] = taken.get(session[best], 0) + 1
+        return out
+
+    return rank
+
+
+def _features(row: dict[str, Any]) -> np.ndarray:
+    q = row["q"]["text"]
+    words, names, time_q = set(_WORDS.findall(q.lower())), {n.lower() for n in _NAME.findall(q)[1:]}, float(is_time_question(q))
+    kw_max = max(row["kw"].values(), default=0.0) or 1.0
+    sessions: dict[str, int] = {}
+    for f in row["ids"][:10]:
+        s = (row["facts"][f]["source_id"] or "").split(":")[0]
+        sessions[s] = sessions.get(s, 0) + 1
+    seen: dict[str, int] = {}
+    out = []
+    for r, f in enumerate(row["ids"]):
+        fact = row["facts"][f]
+        turn = fact["source_id"] or ""
+        fw = set(_WORDS.findall(fact["text"].lower()))
+        out.append([r, row["cos"][r], row["kw"].get(f, 0.0) / kw_max, float(f in row["kw"]), len(names & fw) / max(1, len(names)),
+                    len(words & fw) / max(1, len(words)), time_q, seen.get(turn, 0), sessions.get(turn.split(":")[0], 0),
+                    len(fact["text"]), np.log1p(r)])  # fmt: skip
+        seen[turn] = seen.get(turn, 0) + 1
+    return np.array(out, dtype=np.float64)
+
+
+def learned_gbm(rows: list[dict[str, Any]], train: Sequence[int]) -> Ranker:
+    from sklearn.ensemble import HistGradientBoostingClassifier  # installed with sentence-transformers
+
+    x = [(_features(r), [float(bool(r["facts"][f]["src"] & r["q"]["evidence"])) for f in r["ids"]]) for r in rows if r["ci"] in train]
+    model = HistGradientBoostingClassifier(max_iter=200, learning_rate=0.05, max_leaf_nodes=15, random_state=0)
+    model.fit(np.vstack([a for a, _ in x]), np.concatenate([b for _, b in x]))
+
+    def rank(row: dict[str, Any]) -> list[str]:
+        p = model.predict_proba(_features(row))[:, 1]
+        return turn_diverse([row["ids"][i] for i in np.argsort(-p, kind="stable")], _turn(row))
+
+    return rank
+
+
+def second_stage_alternatives(convs: list[dict], fact_vecs: np.ndarray, q_vecs: np.ndarray) -> dict[str, Any]:
+    """Every alternative on both halves; a setting is picked by recall@10 on the first half."""
+    rows = candidates(convs, fact_vecs, q_vecs)
+    parts = halves(len(convs))
+    first = list(parts)[1]
+
+    def report(rank: Ranker) -> dict[str, Any]:
+        return {name: _score(rows, rank, idx) for name, idx in parts.items()}
+
+    out: dict[str, Any] = {"first stage (no second stage)": report(lambda r: r["ids"]),
+                           "turn_diverse (shipped)": report(lambda r: turn_diverse(r["ids"], _turn(r)))}  # fmt: skip
+    for name, make, grid in (("entity_boost", entity_boost, (0.5, 1.0, 2.0)), ("session_diversity", session_diversity, (0.9, 0.8, 0.7))):
+        tried = {p: _score(rows, make(p), parts[first])["recall@10"] for p in grid}
+        best = max(tried, key=tried.__getitem__)
+        out[name] = {"chosen_on_first_half": best, "first_half_recall@10_by_setting": tried, **report(make(best))}
+    out["learned_gbm"] = report(learned_gbm(rows, parts[first]))
+    return out

@@ -3,7 +3,6 @@ the Context and returns keys of the result. The measures: docs/bench.md."""
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import random
@@ -11,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,6 @@ class Context:
     rounds: int = 30
     locust_users: tuple[int, ...] = LOCUST_USERS
     locust_seconds: int = 15
-    profile_users: int = 100  # bench.serve.serve_profile's Locust users
     locust_questions: tuple[str, ...] = ("fixed",)  # loadtest's question sets: fixed (8), varied (400)
     routing: str = "router"  # the service's topology: which floor has its hop structure
     modes: tuple[str, ...] = MODES  # the ttft part's cells: modes x ks
@@ -101,12 +100,24 @@ def ttft(ctx: Context) -> dict[str, Any]:
 
 
 def ingest(ctx: Context) -> dict[str, Any]:
-    from bench.ingest.ingest_turns import one_way
-    from bench.quality.locomo_qa import Service
+    """LoCoMo conversation 0 added turn by turn through HTTP, as a chat app adds memory (one add a
+    turn, not waiting for KV): per-add latency and when every fact's KV is live after the last add."""
+    from bench.quality.locomo_qa import Service, ingest, load_conversations, wait_for_encodes
 
     service = Service(ctx.url, ctx.admin_key, timeout_s=300.0, connections=4)
-    args = argparse.Namespace(locomo=ctx.locomo, conversation=0, timeout_s=300.0, poll_s=0.05, keep=False)
-    return {"ingest": one_way(service, args, wait_for_kv=False, max_turns=None)}
+    (conversation,) = load_conversations(ctx.locomo, [0], f"ingest-{uuid.uuid4().hex[:6]}", None, 0)
+    try:
+        added = ingest(service, [conversation], extract=False, wait_for_kv=False)
+        encoded = wait_for_encodes(service, 300.0, 0.05)
+    finally:
+        service.call("DELETE", "/v1/memories", params={"user_id": conversation.user_id})
+    latency, with_facts = added["add_latency_ms"], added["add_with_facts_latency_ms"]
+    return {"ingest": {
+        "wait_for_kv": False, "turns": len(conversation.turns), "adds": added["adds"], "facts": added["facts"],
+        "seconds": added["seconds"], "per_add_p50_ms": latency["p50"], "per_add_p90_ms": latency["p90"],
+        "per_add_p99_ms": latency["p99"], "adds_with_facts": added["adds_with_facts"],
+        "per_fact_add_p50_ms": with_facts["p50"], "per_fact_add_p90_ms": with_facts["p90"],
+        "kv_live_after_last_add_s": encoded["encode_wait_s"], **{k: v for k, v in encoded.items() if k.startswith("shard_")}}}
 
 
 def locust_command(ctx: Context, mode: str, users: int, seconds: int, prefix: Path, questions: str = "fixed", *,

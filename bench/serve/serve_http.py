@@ -24,11 +24,8 @@ FLOOR_APPS = [  # bench/serve/serve_floor.py's applications, beside the service 
 
 def measures() -> dict[str, tuple[Any, float]]:
     """name -> (the measure, the fewest seconds of budget it starts with)."""
-    from bench.serve import prefix_peer, serve_profile
-
     return {"embedder": (m.embedder, 30), "examples": (m.examples, 20), "ttft": (m.ttft, 90), "floor": (m.floor, 15),
-            "first_chunk": (m.first_chunk, 30), "ingest": (m.ingest, 90), "locust": (m.locust, 60), "diagnose": (m.diagnose, 10),
-            "peer": (prefix_peer.peer, 120), "profile": (serve_profile.profile, 60)}
+            "first_chunk": (m.first_chunk, 30), "ingest": (m.ingest, 90), "locust": (m.locust, 60), "diagnose": (m.diagnose, 10)}
 
 
 def run(args: argparse.Namespace) -> None:
@@ -53,7 +50,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"[serve_http] healthy after {result['startup_s']} s", flush=True)
         ctx = m.Context(url=service.url, admin_key=service.admin_key, out=args.out, locomo=STAGE / "locomo.json", deadline=deadline,
                         rounds=args.rounds, locust_users=tuple(int(u) for u in args.locust_users.split(",")),
-                        locust_seconds=args.locust_seconds, profile_users=args.profile_users,
+                        locust_seconds=args.locust_seconds,
                         locust_questions=tuple(args.locust_questions.split(",")), routing=service.routing(),
                         modes=tuple(args.ttft_modes.split(",")), ks=tuple(int(k) for k in args.ttft_ks.split(",")))
         for name in filter(None, args.parts.split(",")):
@@ -135,14 +132,12 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=560.0, help="stop starting measures after this many seconds")
     parser.add_argument("--rounds", type=int, default=30, help="TTFT requests per (mode, k) cell")
     parser.add_argument("--parts", default="embedder,examples,ttft,floor,first_chunk,ingest,locust,diagnose",
-                        help="comma-separated measures; '' to only start; `peer` (bench/serve/prefix_peer.py, with "
-                             "KVMEM_ENGINE__MAX_MODEL_LEN=131072) and `profile` (bench/serve/serve_profile.py) are not in the default")
+                        help="comma-separated measures; '' to only start")
     parser.add_argument("--ttft-modes", default="none,prompt,kv", help="the ttft measure's modes")
     parser.add_argument("--ttft-ks", default="5,10,20,50", help="the ttft measure's top-k values")
     parser.add_argument("--locust-users", default="10,25,50,100", help="concurrent Locust users, one run per mode each")
     parser.add_argument("--locust-seconds", type=int, default=15)
     parser.add_argument("--locust-questions", default="fixed", help="comma-separated: fixed (the 8 built-in), varied (400)")
-    parser.add_argument("--profile-users", type=int, default=100, help="Locust users of the `profile` measure")
     parser.add_argument("--cpu", action="store_true", help="serve config.yaml (this machine's defaults) instead of config.gpu.yaml")
     parser.add_argument("--keep-running", action="store_true", help="leave the service up for a later call")
     args = parser.parse_args()
@@ -151,12 +146,7 @@ def main() -> None:
     elif args.prepare:
         prepare_serve_stage()
     elif args.plot:
-        result = read_json(args.plot)
-        plot(result, args.plot.with_suffix(".png"))
-        if "prefix_cache_peer" in result:
-            from bench.serve.prefix_peer import plot_peer
-
-            plot_peer(result, args.plot.with_name(args.plot.stem + "_peer.png"))
+        plot(read_json(args.plot), args.plot.with_suffix(".png"))
     else:
         run(args)
 
