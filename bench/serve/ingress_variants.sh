@@ -10,16 +10,16 @@
 #
 #   bash bench/serve/ingress_variants.sh OUT [--cpu] [variant ...]
 #
-# Variants: router (config.gpu.yaml as shipped: the ChatAPI router, 4 ingress replicas), direct
-# (routing: direct, the replica serves HTTP), router_tput / direct_tput (the same with
-# RAY_SERVE_THROUGHPUT_OPTIMIZED=1), router8 (8 ingress replicas). --cpu: config.yaml here, with
+# Variants: shipped (config.gpu.yaml as it is: routing direct, each LLM replica its own ingress),
+# direct (the same named explicitly), router (the ChatAPI router, 4 ingress replicas), router_tput /
+# direct_tput (with RAY_SERVE_THROUGHPUT_OPTIMIZED=1), router8 (the router with 8 ingress replicas). --cpu: config.yaml here, with
 # the measures cut to a dry run's size. Back here, `python -m bench.serve.ingress_variants OUT`
 # merges them into one table. PYTHON names the interpreter (default python3, as on the GPU machine).
 set -uo pipefail
 out=${1:?usage: ingress_variants.sh OUT [--cpu] [variant ...]}; shift
 cpu=""; variants=()
 for arg in "$@"; do if [[ $arg == --cpu ]]; then cpu="--cpu"; else variants+=("$arg"); fi; done
-(( ${#variants[@]} )) || variants=(router direct direct_tput router_tput)
+(( ${#variants[@]} )) || variants=(shipped router router_tput direct_tput router8)
 mkdir -p "$out"
 if [[ -n $cpu ]]; then
   sizes=(--ttft-ks 50 --rounds 3 --locust-users 2 --locust-seconds 5 --budget-s 900)
@@ -28,11 +28,12 @@ else
 fi
 for variant in "${variants[@]}"; do
   case $variant in
-    router) env=() ;;
+    shipped) env=() ;;
+    router) env=(KVMEM_ROUTING=router) ;;
     direct) env=(KVMEM_ROUTING=direct) ;;
-    router_tput) env=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1) ;;
+    router_tput) env=(KVMEM_ROUTING=router RAY_SERVE_THROUGHPUT_OPTIMIZED=1) ;;
     direct_tput) env=(KVMEM_ROUTING=direct RAY_SERVE_THROUGHPUT_OPTIMIZED=1) ;;
-    router8) env=(KVMEM_INGRESS_REPLICAS=8) ;;
+    router8) env=(KVMEM_ROUTING=router KVMEM_INGRESS_REPLICAS=8) ;;
     *) echo "unknown variant $variant" >&2; exit 2 ;;
   esac
   dir=$out/$variant; mkdir -p "$dir"
