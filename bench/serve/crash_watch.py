@@ -22,7 +22,6 @@ import psutil
 from bench.kit.results import REPO as ROOT
 from bench.serve import http_measures
 
-ALLOWED = {200, 503}  # what a client may see during a fault (issue 26)
 KV_KEPT = {"live", "encoding", "queued", "evicted"}  # an acknowledged fact's KV states that are not a loss
 # the process each fault kills, by title: Ray and vLLM set them (ray::ShardActor, VLLM::EngineCore)
 VICTIMS = {
