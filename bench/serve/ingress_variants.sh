@@ -13,7 +13,7 @@
 # Variants: router (config.gpu.yaml as shipped: the ChatAPI router, 4 ingress replicas), direct
 # (routing: direct, the replica serves HTTP), router_tput / direct_tput (the same with
 # RAY_SERVE_THROUGHPUT_OPTIMIZED=1), router8 (8 ingress replicas). --cpu: config.yaml here, with
-# the measures cut to a dry run's size. Back here, `python -m bench.serve.serve_http --variants OUT`
+# the measures cut to a dry run's size. Back here, `python -m bench.serve.ingress_variants OUT`
 # merges them into one table. PYTHON names the interpreter (default python3, as on the GPU machine).
 set -uo pipefail
 out=${1:?usage: ingress_variants.sh OUT [--cpu] [variant ...]}; shift
