@@ -48,8 +48,8 @@ RUNNABLE = sorted(p for p in BENCH.rglob("*.py") if 'if __name__ == "__main__":'
 
 RUNNABLE_NAMES = {  # the benches run as modules (issue 35's retired ones: docs/bench.md names their last commit)
     "api/fuzz_api", "engine/engine_ttft", "ingest/add_latency", "ingest/ingest_locomo", "quality/extraction_locomo", "quality/locomo_qa",
-    "retrieval/locomo_recall", "serve/crash_recovery", "serve/gpu_fit", "serve/serve_http", "serve/shard_hop", "serve/start_phases",
-    "serve/tenants_flood",
+    "retrieval/locomo_recall", "serve/crash_recovery", "serve/gpu_fit", "serve/ingress_variants", "serve/serve_http", "serve/shard_hop",
+    "serve/start_phases", "serve/tenants_flood",
 }
 
 

@@ -107,7 +107,7 @@ def ingest(ctx: Context) -> dict[str, Any]:
     service = Service(ctx.url, ctx.admin_key, timeout_s=300.0, connections=4)
     (conversation,) = load_conversations(ctx.locomo, [0], f"ingest-{uuid.uuid4().hex[:6]}", None, 0)
     try:
-        added = ingest(service, [conversation], extract=False, wait_for_kv=False)
+        added = ingest(service, [conversation], extract=False)
         encoded = wait_for_encodes(service, 300.0, 0.05)
     finally:
         service.call("DELETE", "/v1/memories", params={"user_id": conversation.user_id})

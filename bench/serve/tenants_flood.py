@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import yaml
 
+from bench.kit.client import settled_shards
 from bench.kit.results import REPO, RESULTS, write_result
 from bench.kit.results import median as p50
 from bench.kit.service import config_args, serve_in_process
@@ -104,17 +105,6 @@ class Flood:
                 self.stop.wait(min(self.max_backoff_s, float(response.headers.get("Retry-After", "1"))))
 
 
-def wait_for_no_pending(client: httpx.Client, within_s: float) -> float | None:
-    """Seconds until the shard has no encode pending, or None when it still has some after `within_s`."""
-    started = time.perf_counter()
-    while time.perf_counter() - started < within_s:
-        shards = client.get("/v1/shards", headers=bearer(ADMIN_KEY)).json()["results"]
-        if all(shard.get("pending_encodes") == 0 for shard in shards):
-            return time.perf_counter() - started
-        time.sleep(1.0)
-    return None
-
-
 @contextmanager
 def running_service(args: argparse.Namespace) -> Iterator[tuple[httpx.Client, dict[str, str], dict[str, Any]]]:
     """The service (module docstring), an HTTP client on it, the two users' keys and the settings."""
@@ -126,10 +116,10 @@ def running_service(args: argparse.Namespace) -> Iterator[tuple[httpx.Client, di
     try:
         print("starting the service (config.yaml, auth.mode keys) ...", flush=True)
         with serve_in_process(settings, http_options=http_options) as url:
-            client = httpx.Client(base_url=url, timeout=args.timeout_s)
+            client = httpx.Client(base_url=url, timeout=args.timeout_s, headers=bearer(ADMIN_KEY))  # a tenant's call: its key
             keys = {}
             for user in ("ann", "bea"):
-                made = client.post("/v1/admin/keys", json={"users": [user], "label": f"tenants bench {user}"}, headers=bearer(ADMIN_KEY))
+                made = client.post("/v1/admin/keys", json={"users": [user], "label": f"tenants bench {user}"})
                 made.raise_for_status()
                 keys[user] = made.json()["key"]
             yield client, keys, settings
@@ -169,10 +159,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         listed_ids = {r["id"] for r in listed.json()["results"]}
         bea_records = client.get("/v1/memories", params={"user_id": "bea"}, headers=bearer(keys["bea"])).json()["results"]
         b_kv = Counter(r["kv"] for r in bea_records if r["id"] in set(b_ids))
-        shards = client.get("/v1/shards", headers=bearer(ADMIN_KEY)).json()
+        shards = client.get("/v1/shards").json()
         # B alone again once A's backlog is encoded: the machine is shared, so alone is measured on
         # both sides of the flood (a load that changed meanwhile shows as before != after)
-        drained_s = wait_for_no_pending(client, args.drain_wait_s)
+        settled, waited_s = settled_shards(client, args.drain_wait_s)
+        drained_s = waited_s if settled is not None else None
         alone_after = [chat_once(client, keys["bea"], "bea", args.max_tokens) for _ in range(args.alone_chats)] if drained_s is not None else []
         load["after_alone"] = os.getloadavg()[0]
         if alone_after:
