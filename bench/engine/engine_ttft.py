@@ -1,5 +1,5 @@
-"""KV injection in the engine alone, on a GPU (vLLM 0.25.1): TTFT, QPS and bf16 fidelity, in parts
-that each run in a process of their own. Parts and usage: docs/bench.md."""
+"""KV injection in the engine alone, on a GPU (vLLM 0.25.1): TTFT and QPS, in parts that each run
+in a process of their own. Parts and usage: docs/bench.md."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from bench.engine.engine_setup import (
     capture_segments, dummy_model, fact_geometry, make_engine, new_arena, prepare_data, rpc_drop, rpc_stats, sampling_params, tokens_prompt,
 )  # fmt: skip
 from bench.kit.results import card_tag, median, percentiles, read_json, table, write_result
-from bench.kit.stage import DATA, GGUF_PARTS, LLAMA8B_CONFIG, gpu_env, load_parts, part_main, run_part
+from bench.kit.stage import DATA, LLAMA8B_CONFIG, gpu_env, load_parts, part_main, run_part
 
 K_VALUES = (5, 10, 20, 50)
 USERS = (10, 25, 50, 75, 100)
@@ -132,33 +132,24 @@ def ttft_qps(args: argparse.Namespace) -> dict:
 
 def merge(out: Path) -> dict:
     """The parts' results as OUT/engine_<card>.json."""
-    parts = load_parts(out, ["smoke", "engine8b", "equiv"])
-    smoke, e8, eq = parts["smoke"], parts["engine8b"], parts["equiv"]
+    parts = load_parts(out, ["smoke", "engine8b"])
+    smoke, e8 = parts["smoke"], parts["engine8b"]
     detail = e8.get("ttft_ms_detail", {})
     plain = {m: {k: v for k, v in detail.get(m, {}).items() if not k.startswith("_")} for m in MODES}
     result = {
         "card": smoke.get("device") or e8.get("card"),
         "ttft_ms": {"none": median(list(plain["none"].values())), **{m: plain[m] for m in MODES[1:]}},
         "qps": e8.get("qps", {}),
-        "bf16_identical_share": eq.get("identical_share_hbm"),
-        "bf16_identical_share_host": eq.get("identical_share_host"),
-        "bf16_max_first_token_logprob_gap": eq.get("max_first_token_logprob_gap_hbm"),
-        # control: vLLM's own prefix cache (KV from its own prefill, query-only prefill) vs a cold prefill
-        "bf16_control_prefix_cache_identical_share": eq.get("control_identical_share_prefix_cached"),
-        "bf16_control_prefix_cache_max_gap": eq.get("control_max_gap_prefix_cached"),
-        "bf16_control_cold_vs_cold_identical_share": eq.get("control_identical_share_cold_vs_plain"),
         "ttft_ms_none_per_k": plain["none"],
         "ttft_p90_ms": {m: detail.get(m, {}).get("_p90") for m in detail},
         "setup": {
             "gpu": smoke.get("device"), "vllm": smoke.get("vllm"), "torch": smoke.get("torch"), "triton": smoke.get("triton"),
             "model": "Llama-3.1-8B architecture, load_format=dummy, bf16, prefix caching on, default compilation config",
-            "equiv_model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to bf16), real weights",
         },  # fmt: skip
         "checks": {
-            "kernel_tests_rc": smoke.get("kernel_tests", {}).get("rc"), "micro": smoke.get("micro"),
+            "kernel_tests_rc": smoke.get("kernel_tests", {}).get("rc"),
             "ttft_not_injected": e8.get("ttft_not_injected"), "engine_start_s": e8.get("engine_start_s"), "capture_s": e8.get("capture_s"),
             "worker_stats": e8.get("stats_final") or e8.get("stats_after_ttft"), "arena_usage": e8.get("usage_final"),
-            "equiv_injected_all": eq.get("injected_all"), "equiv_mean_memory_tokens": eq.get("mean_memory_tokens"),
         },  # fmt: skip
         "errors": {name: part["error"] for name, part in parts.items() if part.get("error")},
     }
@@ -172,8 +163,6 @@ def report(result: dict) -> str:
     lines = [table(rows, ["TTFT ms (median)", *(f"k={k}" for k in K_VALUES)])]
     rows = [[m, *(q.get(m, {}).get(str(u)) for u in USERS)] for m in ("none", "prompt", "kv_hbm")]
     lines.append(table(rows, ["QPS (k=50, 50 tokens)", *(f"{u} users" for u in USERS)], ".1f"))
-    lines.append(f"bf16 identical greedy continuations: HBM {result.get('bf16_identical_share')}, host "
-                 f"{result.get('bf16_identical_share_host')}; max first-token logprob gap {result.get('bf16_max_first_token_logprob_gap')}")
     return "\n".join(lines)
 
 
@@ -205,44 +194,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prepare-data", action="store_true")
     parser.add_argument("--all", action="store_true", help="run every part (subprocesses), merge, print, plot")
-    parser.add_argument("--part", choices=("smoke", "engine8b", "equiv", "equiv_bi"))
-    parser.add_argument("--fidelity", action="store_true", help="parts equiv and equiv_bi (VLLM_BATCH_INVARIANT=1) only")
+    parser.add_argument("--part", choices=("smoke", "engine8b"))
     parser.add_argument("--merge", action="store_true", help="merge the parts an earlier run left in --out")
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out with --all")
     parser.add_argument("--data", type=Path, default=DATA)
-    parser.add_argument("--gguf", type=Path, default=Path("/tmp/gguf"))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--pool", type=int, default=600)
-    parser.add_argument("--equiv", type=int, default=50)
     parser.add_argument("--skip-qps", action="store_true", help="engine8b: TTFT only, no throughput batches")
     parser.add_argument("--model-config", type=Path, default=LLAMA8B_CONFIG)
     parser.add_argument("--k", type=ints, default=list(K_VALUES))
     parser.add_argument("--users", type=ints, default=list(USERS))
-    parser.add_argument("--smollm2", type=Path, default=None, help="a converted SmolLM2 folder (skips the GGUF conversion)")
     parser.add_argument("--block-size", type=int, default=None, help="engine8b: vLLM's KV block size (default: vLLM's, 16 on a GPU)")
     parser.add_argument("--eager", action="store_true", help="enforce_eager engines: only for a dry run on a CPU machine")
     args = parser.parse_args()
     gpu_env()
     if args.prepare_data:
-        return prepare_data(args.data, GGUF_PARTS)
+        return prepare_data(args.data)
     args.out.mkdir(parents=True, exist_ok=True)
-    argv = [a for a in __import__("sys").argv[1:] if a not in ("--all", "--fidelity")]
+    argv = [a for a in __import__("sys").argv[1:] if a != "--all"]
     if args.part:
-        from bench.engine import bf16_fidelity, kernel_timing
+        from bench.engine import kernel_timing
 
-        run = {"smoke": kernel_timing.run, "engine8b": ttft_qps, "equiv": bf16_fidelity.run, "equiv_bi": bf16_fidelity.run}[args.part]
+        run = {"smoke": kernel_timing.run, "engine8b": ttft_qps}[args.part]
         return part_main(lambda: run(args), args.out / f"part_{args.part}.json")
-    if args.fidelity:
-        from bench.engine.bf16_fidelity import summary
-
-        for part in ("equiv", "equiv_bi"):
-            run_part("bench.engine.engine_ttft", part, argv, 280)
-        return summary(args.out)
     if args.all:
         skip = set(filter(None, args.skip.split(",")))
-        for part, budget in {"smoke": 200, "engine8b": 330, "equiv": 420}.items():
+        for part, budget in {"smoke": 200, "engine8b": 330}.items():
             if part not in skip:
                 run_part("bench.engine.engine_ttft", part, argv, budget)
     if args.all or args.merge:

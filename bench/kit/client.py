@@ -1,5 +1,5 @@
 """The service's HTTP API as the benches call it: one streamed chat timed (to the first event, to
-the first content, the ingress's Server-Timing split), and a user's memory seeded."""
+the first content, the ingress's Server-Timing split), a user's memory seeded, the shards settled."""
 
 from __future__ import annotations
 
@@ -67,3 +67,19 @@ def seed_user(client: httpx.Client, user: str, facts: list[str]) -> int:
         response.raise_for_status()
         added += len(response.json()["results"])
     return added
+
+
+def settled_shards(client: httpx.Client, within_s: float) -> tuple[list[dict[str, Any]] | None, float]:
+    """Every shard's stats (GET /v1/shards: `client` carries an admin key) once none has an encode
+    pending and each answered fresh (not a busy replica's last stats), and the seconds that took;
+    None when not within `within_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < within_s:
+        try:
+            stats = client.get("/v1/shards", timeout=10).json()["results"]
+            if all(s.get("pending_encodes") == 0 and "stale_s" not in s and "unavailable" not in s for s in stats):
+                return stats, round(time.monotonic() - started, 1)
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(1)
+    return None, round(time.monotonic() - started, 1)

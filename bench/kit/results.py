@@ -3,15 +3,13 @@ result JSON names the card (or CPU) it was measured on inside the file (`"card"`
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
 import time
-import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,34 +123,3 @@ def timed(fn: Callable[..., Any], calls: Sequence[tuple], warmup: int = 0, qs: I
         fn(*call)
         times.append(time.perf_counter() - started)
     return percentiles(times, qs, 1e3, 4, "_ms", n=True)
-
-
-class Sections:
-    """A result of named sections in one JSON file, rewritten after each section; a section that
-    raises records its error and the run goes on (`with sections.section("build") as r: r[...] = ...`)."""
-
-    def __init__(self, out: Path, meta: dict[str, Any]) -> None:
-        self.out = out
-        self.data: dict[str, Any] = {"card": card(), "meta": meta, "sections": {}}
-
-    @contextlib.contextmanager
-    def section(self, name: str) -> Iterator[dict[str, Any]]:
-        rec: dict[str, Any] = self.data["sections"].setdefault(name, {})
-        started = time.perf_counter()
-        print(f"--- {name}", flush=True)
-        try:
-            yield rec
-        except Exception as exc:  # noqa: BLE001 - recorded; the next section runs
-            rec["error"] = f"{type(exc).__name__}: {exc}"
-            rec["traceback"] = traceback.format_exc(limit=6)
-            print(f"[{name}] FAILED: {rec['error']}", flush=True)
-        rec["section_s"] = round(time.perf_counter() - started, 3)
-        self.write()
-
-    def write(self) -> None:
-        write_result(self.out, self.data, quiet=True)
-
-    def table(self) -> str:
-        rows = [[name, key, ", ".join(f"{a}={b}" for a, b in val.items()) if isinstance(val, dict) else val]
-                for name, rec in self.data["sections"].items() for key, val in rec.items() if key != "traceback"]
-        return table(rows, ["section", "metric", "value"], ".4g")

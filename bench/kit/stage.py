@@ -17,7 +17,6 @@ from typing import Any
 from bench.kit.results import REPO, read_json, write_result
 
 DATA = REPO / ".bench-data"  # ignored: LoCoMo-derived token ids (CC BY-NC, never committed)
-GGUF_PARTS = REPO / ".bench-gguf"  # ignored: the SmolLM2 GGUF in two parts (one call each)
 STAGE = REPO / ".serve-stage"  # ignored: what a GPU visit carries beside the checkout
 LLAMA8B_CONFIG = REPO / "bench" / "engine" / "llama31_8b_config.json"
 NO_LOCOMO = "LoCoMo data not given: set KVMEM_LOCOMO to its JSON (locomo10.json of snap-research/locomo, CC BY-NC 4.0)"
@@ -64,12 +63,6 @@ def part_main(run: Callable[[], dict[str, Any]], path: Path) -> None:
 def load_parts(out: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     """Each part's result (OUT/part_<name>.json), {} for a part that wrote none."""
     return {name: read_json(out / f"part_{name}.json", {}) for name in names}
-
-
-def pip_download(requirement: str, folder: Path) -> list[Path]:
-    """A wheel (no dependencies) downloaded into `folder` with this interpreter's pip."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder), requirement], check=True)
-    return sorted(folder.glob("*.whl"))
 
 
 # What the GPU image lacks for the application beyond vLLM + Ray (stage.sh fetches them without

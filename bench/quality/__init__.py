@@ -1,2 +1,2 @@
 """Answer-quality benchmarks: does memory make the served model answer well? LoCoMo QA through the
-service (locomo_qa.py, locomo_scoring.py, qa_sweep.py) and extraction (extraction_locomo.py). docs/bench.md."""
+service (locomo_qa.py, locomo_scoring.py) and extraction (extraction_locomo.py). docs/bench.md."""

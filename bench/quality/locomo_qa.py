@@ -92,9 +92,9 @@ def load_conversations(path: Path, indices: list[int] | None, run_tag: str, max_
     return conversations
 
 
-def ingest(service: Service, conversations: list[Conversation], extract: bool, wait_for_kv: bool = False) -> dict[str, Any]:
-    """One add per turn, in order (each answered once durable, or once its KV is live with
-    `wait_for_kv`); returns counts and add latencies."""
+def ingest(service: Service, conversations: list[Conversation], extract: bool) -> dict[str, Any]:
+    """One add per turn, in order, each answered once durable (not waiting for its KV); returns
+    counts and add latencies."""
     latencies: list[float] = []
     with_facts: list[float] = []  # adds that carried (or extracted) at least one fact
     facts = 0
@@ -116,7 +116,7 @@ def ingest(service: Service, conversations: list[Conversation], extract: bool, w
                                                                 "text": turn.text, "session_time": turn.session_time}]}
                     if sent:
                         body |= {"facts": sent, "source_id": turn.turn_id}
-                body["wait_for_kv"] = wait_for_kv
+                body["wait_for_kv"] = False
                 t0 = time.perf_counter()
                 results = service.call("POST", "/v1/memories", json=body)["results"]
                 latencies.append(time.perf_counter() - t0)

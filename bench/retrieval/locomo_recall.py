@@ -20,12 +20,10 @@ import torch
 from bench.kit.results import RESULTS, percentiles, progress, table, write_result
 from bench.kit.stage import DEFAULT_LOCOMO
 from bench.quality.locomo_scoring import evidence_ids
-from bench.retrieval.locomo_retrievers import (coverage, evaluate_retrievers, halves, oracle_bounds, print_tables, search_latency,
-                                               second_stage_alternatives, summarise, tune)
+from bench.retrieval.locomo_retrievers import (KS, coverage, evaluate_retrievers, halves, oracle_bounds, print_tables,
+                                               search_latency, second_stage_alternatives, summarise, tune)
 from memory.embedder import Embedder
 from memory.index import ExactIndex
-
-KS = (5, 10, 20, 50)
 
 
 def load_conversations(path: Path) -> tuple[list[dict], dict[str, int]]:

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.kit.client import seed_user
+from bench.kit.client import seed_user, settled_shards
 from bench.kit.results import RESULTS, card, card_tag, read_json, tail, write_result
 from bench.kit.service import STATE, ServeRun, left_running, llama8b_dummy_overrides
 from bench.kit.stage import STAGE
@@ -167,7 +167,7 @@ def episode(fault: str, handle: dict[str, Any], args: argparse.Namespace, r: dic
     r["pids_before"] = parts.pids(handle.get("serve_pid"))
     paths, adder = arena_paths(handle), f"faults-{fault}-{uuid.uuid4().hex[:6]}"
     with httpx.Client(base_url=handle["url"], headers={"Authorization": f"Bearer {handle['admin_key']}"}, timeout=60) as client:
-        before, r["settle_before_s"] = parts.settle(client, min(args.settle_s, 60.0))
+        before, r["settle_before_s"] = settled_shards(client, min(args.settle_s, 60.0))
     r["arena_before"], r["arena_tables_before"] = parts.arena_free(before), parts.arena_tables_sum(paths)
     watchers = parts.Watchers(handle["url"], handle["admin_key"], probe_user=user_pool(args.pool)[0], adder_user=adder,
                               top_k=args.top_k, max_tokens=args.probe_tokens, health_timeout_s=args.health_timeout_s,
@@ -210,7 +210,7 @@ def episode(fault: str, handle: dict[str, Any], args: argparse.Namespace, r: dic
     try:
         with watchers.client(bound) as client:
             within = max(10.0, min(args.settle_s, args.deadline + 60 - time.monotonic())) if r["recovered"] else bound
-            after, r["settle_after_s"] = parts.settle(client, within)
+            after, r["settle_after_s"] = settled_shards(client, within)
             r["settled"] = after is not None
             r["arena_after"], r["arena_tables_after"] = parts.arena_free(after), parts.arena_tables_sum(paths)
             r.update(parts.check_facts(client, adder, watchers.acked, top_k=200, max_tokens=args.probe_tokens))

@@ -22,7 +22,6 @@ import psutil
 from bench.kit.results import REPO as ROOT
 from bench.serve import http_measures
 
-ALLOWED = {200, 503}  # what a client may see during a fault (issue 26)
 KV_KEPT = {"live", "encoding", "queued", "evicted"}  # an acknowledged fact's KV states that are not a loss
 # the process each fault kills, by title: Ray and vLLM set them (ray::ShardActor, VLLM::EngineCore)
 VICTIMS = {
@@ -271,25 +270,6 @@ def survivors(processes: list[psutil.Process]) -> list[int]:
 
 
 # ------------------------------------------------------------------------------ afterwards
-def shard_stats(client: httpx.Client) -> list[dict[str, Any]]:
-    return client.get("/v1/shards", timeout=10).json()["results"]
-
-
-def settle(client: httpx.Client, within_s: float) -> tuple[list[dict[str, Any]] | None, float]:
-    """Every shard's stats once nothing waits for its KV (fresh stats, not a busy replica's last
-    ones), and the seconds that took; None when not within `within_s`."""
-    started = time.monotonic()
-    while time.monotonic() - started < within_s:
-        try:
-            stats = shard_stats(client)
-            if all(s.get("pending_encodes") == 0 and "stale_s" not in s and "unavailable" not in s for s in stats):
-                return stats, round(time.monotonic() - started, 1)
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(1)
-    return None, round(time.monotonic() - started, 1)
-
-
 def arena_free(stats: list[dict[str, Any]] | None) -> dict[str, Any] | None:
     """The arenas' free host capacity and what holds the rest, summed over the shards."""
     if stats is None:

@@ -107,7 +107,7 @@ def ingest(ctx: Context) -> dict[str, Any]:
     service = Service(ctx.url, ctx.admin_key, timeout_s=300.0, connections=4)
     (conversation,) = load_conversations(ctx.locomo, [0], f"ingest-{uuid.uuid4().hex[:6]}", None, 0)
     try:
-        added = ingest(service, [conversation], extract=False, wait_for_kv=False)
+        added = ingest(service, [conversation], extract=False)
         encoded = wait_for_encodes(service, 300.0, 0.05)
     finally:
         service.call("DELETE", "/v1/memories", params={"user_id": conversation.user_id})
@@ -214,61 +214,9 @@ def diagnose(ctx: Context) -> dict[str, Any]:
     return out
 
 
-def embedder(ctx: Context) -> dict[str, Any]:
-    """The query embedding on this GPU: CUDA-graph replay (memory.query_graphs) against the eager
-    sentence-transformers path, the same rows (max abs difference) and the time per query."""
-    from bench.quality.locomo_qa import load_conversations
-    from memory.embedder import Embedder
-
-    (conversation,) = load_conversations(ctx.locomo, [0], "embed", None, None)
-    questions = [q["question"] for q in conversation.questions][:100]
-    model = Embedder(device="cuda")
-    eager_rows = [model.embed([q])[0] for q in questions]  # also warms the eager path
-    graph_rows = [model.embed_query(q) for q in questions]  # captures any length not warmed up
-    timings: dict[str, list[float]] = {"eager": [], "graph": []}
-    for question in questions:
-        for name, call in (("eager", lambda: model.embed([question])[0]), ("graph", lambda: model.embed_query(question))):
-            started = time.perf_counter()
-            call()
-            timings[name].append((time.perf_counter() - started) * 1e3)
-    diff = max(float(abs(a - b).max()) for a, b in zip(eager_rows, graph_rows))
-    graphs = model.query_graphs()
-    return {"query_embed_ms": {name: median(values) for name, values in timings.items()}, "query_embed_max_abs_diff": diff,
-            "query_graphs": None if graphs is None else (graphs.disabled_because or f"{len(graphs.graphs)} graphs")}
-
-
 FLOOR_PATHS = {  # bench/serve/serve_floor.py's applications, from Serve's own floor up to the service's routes
     "chain": "/floor", "direct": "/floor-direct", "direct_routed": "/floor-direct-routed", "routes": "/floor-routes",
 }
-
-
-def first_chunk(ctx: Context) -> dict[str, Any]:
-    """Does the rest of a request delay its first chunk? The same chats (k = 50, none and kv) with
-    a one-token answer, where the request's finishing work runs right behind the first event, and
-    with a 16-token answer, where the engine's next step follows instead (rounds interleaved)."""
-    from bench.quality.locomo_qa import load_conversations
-
-    (conversation,) = load_conversations(ctx.locomo, [0], "first_chunk", None, None)
-    questions = [q["question"] for q in conversation.questions]
-    cells = [(mode, tokens) for mode in ("none", "kv") for tokens in (1, 16)]
-    samples: dict[tuple[str, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
-    with ctx.client() as client:
-        if not client.get("/v1/memories", params={"user_id": TTFT_USER}).json().get("results"):
-            facts = [f for turn in conversation.turns for f in conversation.facts_by_turn.get(turn.turn_id, [])]
-            seed_user(client, TTFT_USER, facts)
-        for round_index in range(ctx.rounds + 3):
-            for mode, tokens in cells:
-                body = {"user": TTFT_USER, "messages": [{"role": "user", "content": questions[round_index % len(questions)]}],
-                        "max_tokens": tokens, "memory": {"mode": mode, "top_k": 50}}
-                sample = stream_once(client, "/v1/chat/completions", body)
-                if round_index >= 3:
-                    samples[(mode, tokens)].append(sample)
-    out: dict[str, Any] = {}
-    for (mode, tokens), rows in samples.items():
-        stages = {name: median([r["stages"][name] for r in rows if name in r["stages"]])
-                  for name in ("engine_ttft", "ingress_ingress", "ingress_http_before_handler", "ingress_http_after_handler")}
-        out.setdefault(mode, {})[str(tokens)] = {"http_ms": median([r["http_ms"] for r in rows]), **stages}
-    return {"first_chunk_ms": out}
 
 
 def floor(ctx: Context) -> dict[str, Any]:

@@ -24,8 +24,8 @@ FLOOR_APPS = [  # bench/serve/serve_floor.py's applications, beside the service 
 
 def measures() -> dict[str, tuple[Any, float]]:
     """name -> (the measure, the fewest seconds of budget it starts with)."""
-    return {"embedder": (m.embedder, 30), "examples": (m.examples, 20), "ttft": (m.ttft, 90), "floor": (m.floor, 15),
-            "first_chunk": (m.first_chunk, 30), "ingest": (m.ingest, 90), "locust": (m.locust, 60), "diagnose": (m.diagnose, 10)}
+    return {"examples": (m.examples, 20), "ttft": (m.ttft, 90), "floor": (m.floor, 15), "ingest": (m.ingest, 90),
+            "locust": (m.locust, 60), "diagnose": (m.diagnose, 10)}
 
 
 def run(args: argparse.Namespace) -> None:
@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/serve-out"))
     parser.add_argument("--budget-s", type=float, default=560.0, help="stop starting measures after this many seconds")
     parser.add_argument("--rounds", type=int, default=30, help="TTFT requests per (mode, k) cell")
-    parser.add_argument("--parts", default="embedder,examples,ttft,floor,first_chunk,ingest,locust,diagnose",
+    parser.add_argument("--parts", default="examples,ttft,floor,ingest,locust,diagnose",
                         help="comma-separated measures; '' to only start")
     parser.add_argument("--ttft-modes", default="none,prompt,kv", help="the ttft measure's modes")
     parser.add_argument("--ttft-ks", default="5,10,20,50", help="the ttft measure's top-k values")

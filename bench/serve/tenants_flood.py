@@ -1,10 +1,9 @@
-"""One tenant's flood against another tenant's chats, on the CPU service: fairness (issue 25) and
-hostile clients (issue 36). What is measured and usage: docs/bench.md."""
+"""One tenant's flood against another tenant's chats, on the CPU service: fairness (issue 25). What
+is measured and usage: docs/bench.md."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 import yaml
 
+from bench.kit.client import settled_shards
 from bench.kit.results import REPO, RESULTS, write_result
 from bench.kit.results import median as p50
 from bench.kit.service import config_args, serve_in_process
@@ -32,15 +32,14 @@ UNFAIR = {"max_pending_encodes_per_user": 0, "arena_floor_entries_per_user": 0, 
 QUESTION = "What does Bea keep in the blue tin?"
 
 
-def service_args(redis_url: str, arena_dir: str, arena_pages: int | None, unfair: bool, admission: bool = False) -> dict[str, Any]:
+def service_args(redis_url: str, arena_dir: str, arena_pages: int | None, unfair: bool) -> dict[str, Any]:
     """config.yaml's application args, with the bench's Redis, arena, keys and fairness settings;
-    config.yaml's admission only when `admission` (the fairness runs measure the shard alone)."""
+    admission off (the fairness runs measure the shard alone)."""
     args = config_args()
     namespace = f"tenants{uuid.uuid4().hex[:6]}"
     args.update(redis_url=redis_url, namespace=namespace, llm_replica_num_cpus=0,
                 auth={"mode": "keys", "admin_key": ADMIN_KEY})
-    if not admission:
-        args["admission"] = {"enabled": False}
+    args["admission"] = {"enabled": False}
     args["engine"]["model"] = str(prepare_smollm2())
     memory = args.setdefault("memory", {})
     memory.update(arena_dir=arena_dir, redis_prefix=f"kvmem-{namespace}")
@@ -106,34 +105,21 @@ class Flood:
                 self.stop.wait(min(self.max_backoff_s, float(response.headers.get("Retry-After", "1"))))
 
 
-def wait_for_no_pending(client: httpx.Client, within_s: float) -> float | None:
-    """Seconds until the shard has no encode pending, or None when it still has some after `within_s`."""
-    started = time.perf_counter()
-    while time.perf_counter() - started < within_s:
-        shards = client.get("/v1/shards", headers=bearer(ADMIN_KEY)).json()["results"]
-        if all(shard.get("pending_encodes") == 0 for shard in shards):
-            return time.perf_counter() - started
-        time.sleep(1.0)
-    return None
-
-
 @contextmanager
-def running_service(
-    args: argparse.Namespace, hostile: bool, **changes: Any
-) -> Iterator[tuple[httpx.Client, dict[str, str], dict[str, Any]]]:
-    """The service (module docstring; `changes` to its args), an HTTP client on it, the two users' keys and the settings."""
+def running_service(args: argparse.Namespace) -> Iterator[tuple[httpx.Client, dict[str, str], dict[str, Any]]]:
+    """The service (module docstring), an HTTP client on it, the two users' keys and the settings."""
     workdir = Path(tempfile.mkdtemp(prefix="kvmem-tenants-"))
     arena_dir = tempfile.mkdtemp(prefix="kvmem-tenants-", dir="/dev/shm")
     redis = LocalRedis(workdir / "redis").start()
-    settings = service_args(redis.url, arena_dir, None if hostile else args.arena_pages, args.unfair, admission=hostile) | changes
+    settings = service_args(redis.url, arena_dir, args.arena_pages, args.unfair)
     http_options = yaml.safe_load((REPO / "config.yaml").read_text())["http_options"]
     try:
         print("starting the service (config.yaml, auth.mode keys) ...", flush=True)
         with serve_in_process(settings, http_options=http_options) as url:
-            client = httpx.Client(base_url=url, timeout=args.timeout_s)
+            client = httpx.Client(base_url=url, timeout=args.timeout_s, headers=bearer(ADMIN_KEY))  # a tenant's call: its key
             keys = {}
             for user in ("ann", "bea"):
-                made = client.post("/v1/admin/keys", json={"users": [user], "label": f"tenants bench {user}"}, headers=bearer(ADMIN_KEY))
+                made = client.post("/v1/admin/keys", json={"users": [user], "label": f"tenants bench {user}"})
                 made.raise_for_status()
                 keys[user] = made.json()["key"]
             yield client, keys, settings
@@ -144,7 +130,7 @@ def running_service(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    with running_service(args, hostile=False) as (client, keys, settings):
+    with running_service(args) as (client, keys, settings):
         b_facts = [f"Bea keeps fact {i} in the blue tin: {i} silver coins from Porto." for i in range(args.b_facts)]
         added = client.post("/v1/memories", json={"user_id": "bea", "facts": b_facts, "wait_for_kv": True}, headers=bearer(keys["bea"]))
         added.raise_for_status()
@@ -173,10 +159,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         listed_ids = {r["id"] for r in listed.json()["results"]}
         bea_records = client.get("/v1/memories", params={"user_id": "bea"}, headers=bearer(keys["bea"])).json()["results"]
         b_kv = Counter(r["kv"] for r in bea_records if r["id"] in set(b_ids))
-        shards = client.get("/v1/shards", headers=bearer(ADMIN_KEY)).json()
+        shards = client.get("/v1/shards").json()
         # B alone again once A's backlog is encoded: the machine is shared, so alone is measured on
         # both sides of the flood (a load that changed meanwhile shows as before != after)
-        drained_s = wait_for_no_pending(client, args.drain_wait_s)
+        settled, waited_s = settled_shards(client, args.drain_wait_s)
+        drained_s = waited_s if settled is not None else None
         alone_after = [chat_once(client, keys["bea"], "bea", args.max_tokens) for _ in range(args.alone_chats)] if drained_s is not None else []
         load["after_alone"] = os.getloadavg()[0]
         if alone_after:
@@ -212,62 +199,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return result
 
 
-def run_hostile(args: argparse.Namespace) -> dict[str, Any]:
-    """--hostile or --stalled (module docstring): B alone, B beside the flood or the stalled
-    connections, B alone again; /health throughout."""
-    from bench.serve.hostile_clients import FloodProcesses, HealthProbe, PacedChats, StalledConnections, quantiles
-
-    with running_service(args, hostile=True) as (client, keys, settings):
-        url = str(client.base_url).rstrip("/")
-        b_facts = [f"Bea keeps fact {i} in the blue tin: {i} silver coins from Porto." for i in range(args.b_facts)]
-        client.post("/v1/memories", json={"user_id": "bea", "facts": b_facts, "wait_for_kv": True}, headers=bearer(keys["bea"])).raise_for_status()
-        bea = PacedChats(url, keys["bea"], "bea", args.max_tokens)
-        bea.run(3.0)  # warm-up, not counted
-        health = HealthProbe(url).start()
-        load = {"before_alone": os.getloadavg()[0]}
-        alone = bea.run(args.alone_s)
-        load["before_flood"] = os.getloadavg()[0]
-        print(f"B alone: {quantiles(alone)}", flush=True)
-        if args.stalled:
-            stalls = StalledConnections(url, ADMIN_KEY, args.stalled).start()
-            during = bea.run(args.flood_s)
-            stalls.join()
-            held = [c["held_s"] for c in stalls.closed if "held_s" in c]
-            attack: dict[str, Any] = {
-                "connections": args.stalled, "closed": len(stalls.closed), "held_s": quantiles(held),
-                "answers": dict(Counter(c.get("status_line") or c.get("error") for c in stalls.closed)),
-                "body_timeout_s": settings.get("body_timeout_s"),
-            }
-        else:
-            flood = FloodProcesses(url, keys["ann"], "ann", args.processes, args.flood_s, args.max_tokens,
-                                   tuple(args.flood_loops.split(","))).start()
-            during = bea.run(args.flood_s)
-            outs = flood.join()
-            attack = {"processes": args.processes, "per_process": outs,
-                      "requests_per_s": round(sum(o[w]["requests"] for o in outs for w in o) / args.flood_s, 1)}
-        load["after_attack"] = os.getloadavg()[0]
-        print(f"B beside the {'stalled connections' if args.stalled else 'flood'}: {quantiles(during)}", flush=True)
-        drained_s = wait_for_no_pending(client, args.drain_wait_s)
-        after = bea.run(args.alone_s)
-        load["after_alone"] = os.getloadavg()[0]
-        health_report = health.join()
-        alone_all = alone + after
-        base, hit = quantiles(alone_all), quantiles(during)
-        return {
-            "mode": "stalled" if args.stalled else "hostile flood",
-            "b_alone": base, "b_alone_before": quantiles(alone), "b_alone_after": quantiles(after),
-            "b_during": hit,
-            "p50_ratio": round(hit["p50_s"] / base["p50_s"], 2), "p95_ratio": round(hit["p95_s"] / base["p95_s"], 2),
-            "b_statuses": dict(bea.statuses), "health": health_report, "attack": attack,
-            "backlog_drained_s": None if drained_s is None else round(drained_s, 1),
-            "load_average_1m": load,
-            "b_alone_s": [round(v, 3) for v in alone_all], "b_during_s": [round(v, 3) for v in during],
-            "settings": {"admission": settings.get("admission"), "body_timeout_s": settings.get("body_timeout_s"),
-                         "flood_s": args.flood_s, "flood_loops": args.flood_loops, "alone_s": args.alone_s, "max_tokens": args.max_tokens, "b_facts": args.b_facts,
-                         "memory_mode": "kv", "auth_mode": "keys", "engine": settings["engine"]},
-        }
-
-
 def table(result: dict[str, Any]) -> str:
     rows = [
         ("fairness", result["settings"]["fairness"]),
@@ -288,7 +219,7 @@ def table(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--unfair", action="store_true", help="fairness settings off (the before measurement)")
-    parser.add_argument("--flood-s", type=float, default=None, help="seconds of flood (default 40; --hostile, --stalled: 60)")
+    parser.add_argument("--flood-s", type=float, default=40.0, help="seconds of flood")
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--batch-facts", type=int, default=16)
     parser.add_argument("--b-facts", type=int, default=8)
@@ -298,26 +229,11 @@ def main() -> None:
     parser.add_argument("--max-backoff-s", type=float, default=2.0, help="most seconds A waits after a 429")
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--drain-wait-s", type=float, default=90.0, help="most seconds to wait for A's backlog before B chats alone again")
-    parser.add_argument("--hostile", action="store_true", help="issue 36: A's key floods chats and adds, ignoring Retry-After")
-    parser.add_argument("--stalled", type=int, default=0, help="issue 36: this many connections stall in their body instead")
-    parser.add_argument("--processes", type=int, default=2, help="--hostile: flooding processes of A's key")
-    parser.add_argument("--flood-loops", default="chats,adds", help="--hostile: each flooding process's loops (chats, adds or both)")
-    parser.add_argument("--alone-s", type=float, default=30.0, help="--hostile, --stalled: seconds B chats alone, before and after")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    results = RESULTS
-    if args.hostile or args.stalled:
-        args.flood_s = 60.0 if args.flood_s is None else args.flood_s
-        result = run_hostile(args)
-        out = args.out or results / ("stalled_cpu.json" if args.stalled else "flood_cpu.json")
-        printed = json.dumps({k: result[k] for k in ("mode", "b_alone", "b_during", "p50_ratio", "p95_ratio", "health", "load_average_1m")}, indent=1)
-    else:
-        args.flood_s = 40.0 if args.flood_s is None else args.flood_s
-        result = run(args)
-        out = args.out or results / ("tenants_cpu_unfair.json" if args.unfair else "tenants_cpu.json")
-        printed = table(result)
-    write_result(out, result)
-    print(printed)
+    result = run(args)
+    write_result(args.out or RESULTS / ("tenants_cpu_unfair.json" if args.unfair else "tenants_cpu.json"), result)
+    print(table(result))
 
 
 if __name__ == "__main__":
