@@ -41,3 +41,25 @@ def test_merge_names_each_variant_with_its_environment(tmp_path: Path) -> None:
     assert merged["card"] == RESULT["card"] and sorted(merged["variants"]) == ["direct", "router"]
     assert merged["variants"]["direct"]["environment"] == ["KVMEM_ROUTING=direct"] and merged["variants"]["router"]["environment"] == []
     assert "direct" in report(merged) and "69.3" in report(merged)
+
+
+def test_each_variant_of_the_script_sets_what_its_name_says(tmp_path: Path) -> None:
+    """bench/serve/ingress_variants.sh with a stand-in for serve_http (PYTHON): each variant's
+    environment reaches the measuring process (a variant once named `router` set nothing while the
+    shipped config routes direct, so the router was never measured)."""
+    import os
+    import subprocess
+
+    stand_in = tmp_path / "python"
+    stand_in.write_text('#!/bin/sh\necho "routing=$KVMEM_ROUTING tput=$RAY_SERVE_THROUGHPUT_OPTIMIZED ingress=$KVMEM_INGRESS_REPLICAS"\n')
+    stand_in.chmod(0o755)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVMEM_", "RAY_SERVE_"))}
+    script = Path(__file__).resolve().parents[1] / "bench" / "serve" / "ingress_variants.sh"
+    subprocess.run(["bash", str(script), str(out), "shipped", "router", "direct", "direct_tput", "router8"],
+                   env={**env, "PYTHON": str(stand_in)}, check=True, timeout=60)
+    seen = {v: (out / v / "serve_http.log").read_text().strip() for v in ("shipped", "router", "direct", "direct_tput", "router8")}
+    assert seen == {"shipped": "routing= tput= ingress=", "router": "routing=router tput= ingress=",
+                    "direct": "routing=direct tput= ingress=", "direct_tput": "routing=direct tput=1 ingress=",
+                    "router8": "routing=router tput= ingress=8"}
+    assert "all done" in (out / "progress").read_text()

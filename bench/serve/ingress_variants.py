@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--into", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     merged = merge(args.folder)
+    if not merged["variants"]:
+        parser.error(f"no <variant>/serve_*.json under {args.folder}")
     write_result(args.into / f"serve_{card_tag(merged['card'])}_ingress.json", merged)
     print(report(merged))
 
